@@ -1,0 +1,49 @@
+"""Where the database is: `DATABASE_URL`, or an embedded PostgreSQL when it is unset."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, make_url
+from sqlalchemy.engine import URL
+
+from outbox.errors import ConfigurationError
+
+NOTIFY_CHANNEL = "outbox_due"
+
+
+def normalize_url(url: str) -> str:
+    """Accept `postgres://`, `postgresql://` and `postgresql+psycopg://` alike."""
+    try:
+        parsed: URL = make_url(url)
+    except Exception as exc:  # ArgumentError: not a URL at all
+        raise ConfigurationError(f"DATABASE_URL is not a database URL: {exc}") from None
+    if parsed.drivername in ("postgres", "postgresql", "postgresql+psycopg2"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.drivername != "postgresql+psycopg":
+        raise ConfigurationError(
+            f"only PostgreSQL is supported (got {parsed.drivername!r} in DATABASE_URL)")
+    return parsed.render_as_string(hide_password=False)
+
+
+def database_url(*, embedded: bool = True) -> str:
+    """`DATABASE_URL` if set; else start (or attach to) the embedded server."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        return normalize_url(url)
+    if not embedded:
+        raise ConfigurationError("DATABASE_URL is not set")
+    from outbox import _embedded
+
+    return _embedded.start()
+
+
+def make_engine(url: str | None = None, *, application_name: str = "outbox",
+                **kwargs: Any) -> Engine:
+    """A psycopg 3 engine whose sessions say who they are in `pg_stat_activity`."""
+    target = make_url(normalize_url(url or database_url()))
+    connect_args = dict(kwargs.pop("connect_args", {}))
+    connect_args.setdefault("application_name", application_name)
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(target, connect_args=connect_args, **kwargs)

@@ -1,0 +1,245 @@
+"""The tables, as SQLAlchemy Core metadata; migrations must produce exactly this.
+
+State machines are explicit: every status column has a Python `StrEnum` and a CHECK
+constraint, and further CHECKs tie each status to the columns it needs (a lease only
+while in flight, a response only once completed). See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+SCHEMA = "outbox"
+
+metadata = MetaData(
+    schema=SCHEMA,
+    naming_convention={
+        "ix": "%(table_name)s_%(column_0_N_name)s_idx",
+        "uq": "%(table_name)s_%(column_0_name)s_key",
+        "ck": "%(table_name)s_%(constraint_name)s_check",
+        "fk": "%(table_name)s_%(column_0_name)s_fkey",
+        "pk": "%(table_name)s_pkey",
+    },
+)
+
+
+class KeyStatus(StrEnum):
+    PROCESSING = "processing"
+    COMPLETED = "completed"
+
+
+class EffectStatus(StrEnum):
+    PENDING = "pending"
+    IN_FLIGHT = "in_flight"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    NEEDS_REVIEW = "needs_review"
+
+
+class AttemptOutcome(StrEnum):
+    DELIVERED = "delivered"
+    RETRY = "retry"
+    FAILED = "failed"
+    LEASE_LOST = "lease_lost"
+    AMBIGUOUS = "ambiguous"
+
+
+def _in(column: str, values: type[StrEnum]) -> str:
+    return f"{column} IN ({', '.join(repr(v.value) for v in values)})"
+
+
+TS = DateTime(timezone=True)
+NOW = text("now()")
+
+idempotency_keys = Table(
+    "idempotency_keys",
+    metadata,
+    Column("scope", Text, nullable=False),
+    Column("key", Text, nullable=False),
+    Column("fingerprint", Text, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("lock_token", UUID(as_uuid=True)),
+    Column("locked_at", TS),
+    Column("response_status", Integer),
+    Column("response_headers", JSONB),
+    Column("response_body", LargeBinary),
+    Column("created_at", TS, nullable=False, server_default=NOW),
+    Column("completed_at", TS),
+    Column("expires_at", TS, nullable=False),
+    PrimaryKeyConstraint("scope", "key"),
+    CheckConstraint(_in("status", KeyStatus), name="status"),
+    CheckConstraint("length(key) BETWEEN 1 AND 255", name="key_length"),
+    CheckConstraint(
+        "(status = 'processing' AND lock_token IS NOT NULL AND locked_at IS NOT NULL"
+        " AND response_status IS NULL AND completed_at IS NULL)"
+        " OR (status = 'completed' AND response_status IS NOT NULL"
+        " AND completed_at IS NOT NULL)",
+        name="status_columns",
+    ),
+    Index("idempotency_keys_expires_at_idx", "expires_at"),
+)
+
+# Storage settings (fillfactor 80, aggressive autovacuum) are set by migration 0001:
+# SQLAlchemy has no table option for them. tests/test_schema.py checks they are there.
+effects = Table(
+    "effects",
+    metadata,
+    Column("id", BigInteger, Identity(always=False), primary_key=True),
+    Column("effect_key", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("payload", JSONB, nullable=False),
+    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("ordering_key", Text),
+    Column("queue", Text, nullable=False, server_default=text("'default'")),
+    Column("status", Text, nullable=False, server_default=text("'pending'")),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("max_attempts", Integer, nullable=False, server_default=text("25")),
+    Column("available_at", TS, nullable=False, server_default=NOW),
+    Column("retry_until", TS),
+    Column("lease_owner", Text),
+    Column("lease_token", UUID(as_uuid=True)),
+    Column("lease_expires_at", TS),
+    Column("created_at", TS, nullable=False, server_default=NOW),
+    Column("delivered_at", TS),
+    Column("finished_at", TS),
+    Column("last_error", Text),
+    Column("result", JSONB),
+    UniqueConstraint("effect_key"),
+    CheckConstraint(_in("status", EffectStatus), name="status"),
+    CheckConstraint("length(effect_key) BETWEEN 1 AND 255", name="effect_key_length"),
+    CheckConstraint("attempts >= 0 AND max_attempts >= 1", name="attempts"),
+    CheckConstraint(
+        "(status = 'in_flight') = (lease_token IS NOT NULL)"
+        " AND (lease_token IS NULL) = (lease_expires_at IS NULL)"
+        " AND (lease_token IS NULL) = (lease_owner IS NULL)",
+        name="lease_iff_in_flight",
+    ),
+    CheckConstraint("(status = 'delivered') = (delivered_at IS NOT NULL)", name="delivered_at"),
+    CheckConstraint(
+        "(status IN ('delivered', 'failed', 'cancelled', 'needs_review'))"
+        " = (finished_at IS NOT NULL)",
+        name="finished_at",
+    ),
+    # The claim's hot path: due pending rows per queue, oldest first.
+    Index(
+        "effects_pending_idx",
+        "queue",
+        "available_at",
+        "id",
+        postgresql_where=text("status = 'pending'"),
+    ),
+    # Lease rescue scans only in-flight rows (a set bounded by the workers' slots).
+    Index("effects_in_flight_idx", "queue", postgresql_where=text("status = 'in_flight'")),
+    # Per-key ordering: the head of each key among unfinished rows.
+    Index(
+        "effects_ordering_idx",
+        "ordering_key",
+        "id",
+        postgresql_where=text(
+            "ordering_key IS NOT NULL"
+            " AND status IN ('pending', 'in_flight', 'failed', 'needs_review')"),
+    ),
+    # Retention: finished rows by age.
+    Index(
+        "effects_finished_at_idx",
+        "finished_at",
+        postgresql_where=text("finished_at IS NOT NULL"),
+    ),
+)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("id", BigInteger, Identity(always=False), primary_key=True),
+    Column(
+        "effect_id",
+        BigInteger,
+        ForeignKey(f"{SCHEMA}.effects.id", ondelete="CASCADE"),
+        nullable=False,
+    ),
+    Column("attempt", Integer, nullable=False),
+    Column("worker", Text, nullable=False),
+    Column("started_at", TS, nullable=False),
+    Column("finished_at", TS, nullable=False, server_default=NOW),
+    Column("outcome", Text, nullable=False),
+    Column("http_status", Integer),
+    Column("error", Text),
+    Column("trace_id", Text),
+    CheckConstraint(_in("outcome", AttemptOutcome), name="outcome"),
+    Index("attempts_effect_id_idx", "effect_id", "attempt"),
+)
+
+
+class InboxOutcome(StrEnum):
+    INSERTED = "inserted"
+    DUPLICATE = "duplicate"
+    CONFLICT = "conflict"
+    STALE = "stale"
+
+
+inbox = Table(
+    "inbox",
+    metadata,
+    Column("source", Text, nullable=False),
+    Column("event_id", Text, nullable=False),
+    Column("fingerprint", Text, nullable=False),
+    Column("version", BigInteger),
+    Column("entity", Text),
+    Column("payload", JSONB, nullable=False),
+    Column("received_at", TS, nullable=False, server_default=NOW),
+    Column("processed_at", TS),
+    Column("duplicates", Integer, nullable=False, server_default=text("0")),
+    Column("conflicts", Integer, nullable=False, server_default=text("0")),
+    PrimaryKeyConstraint("source", "event_id"),
+    CheckConstraint("length(event_id) BETWEEN 1 AND 255", name="event_id_length"),
+    CheckConstraint("length(source) BETWEEN 1 AND 255", name="source_length"),
+    CheckConstraint("version IS NULL OR version >= 0", name="version"),
+    Index("inbox_received_at_idx", "received_at"),
+)
+
+# A conflicting replay (same event id, other payload) is never applied; it is kept here.
+inbox_conflicts = Table(
+    "inbox_conflicts",
+    metadata,
+    Column("id", BigInteger, Identity(always=False), primary_key=True),
+    Column("source", Text, nullable=False),
+    Column("event_id", Text, nullable=False),
+    Column("fingerprint", Text, nullable=False),
+    Column("payload", JSONB, nullable=False),
+    Column("received_at", TS, nullable=False, server_default=NOW),
+    Index("inbox_conflicts_source_idx", "source", "event_id"),
+)
+
+# The newest applied version per (source, entity): the guard against stale events.
+entity_versions = Table(
+    "entity_versions",
+    metadata,
+    Column("source", Text, nullable=False),
+    Column("entity", Text, nullable=False),
+    Column("version", BigInteger, nullable=False),
+    Column("event_id", Text, nullable=False),
+    Column("fingerprint", Text, nullable=False),
+    Column("updated_at", TS, nullable=False, server_default=NOW),
+    PrimaryKeyConstraint("source", "entity"),
+    CheckConstraint("version >= 0", name="version"),
+)

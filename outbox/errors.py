@@ -1,0 +1,123 @@
+"""Every exception the project raises, as one small tree.
+
+    OutboxError
+    ├── ConfigurationError           bad settings; the process cannot start
+    ├── InvalidInput                 a client's input is wrong: map it to a 4xx
+    │   ├── InvalidIdempotencyKey    400: missing, empty, too long, control chars
+    │   ├── InvalidRequestBody       400: not JSON, NaN, duplicate members, ...
+    │   │   └── RequestBodyTooLarge  413
+    │   └── InvalidEvent             400: a bad incoming event (ingestion)
+    ├── IdempotencyConflict          the key cannot be used for this request now
+    │   ├── RequestInProgress        409 + Retry-After: a twin holds the key
+    │   ├── KeyReused                422: same key, different request
+    │   └── ClaimLost                our phased claim was taken over: roll back
+    ├── LeaseLost                    a dispatcher's lease was taken over: fenced
+    ├── RetentionTooShort            inbox retention below the source's horizon
+    └── DeliveryError                raised by effect handlers to steer retries
+        ├── RetryAfter               retry no sooner than `delay` seconds
+        ├── PermanentFailure         never retry: dead-letter now
+        └── AmbiguousOutcome         the request may have been applied
+
+Client errors carry an HTTP `status` so an adapter maps them without a table.
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Base class of every error raised by `outbox` and `dispatcher`."""
+
+
+class ConfigurationError(OutboxError):
+    """The configuration is unusable (bad URL, missing embedded server, ...)."""
+
+
+class InvalidInput(OutboxError):
+    """A client sent something we refuse; never leaves state behind."""
+
+    status: int = 400
+    code: str = "invalid_input"
+
+
+class InvalidIdempotencyKey(InvalidInput):
+    code = "invalid_idempotency_key"
+
+
+class InvalidRequestBody(InvalidInput):
+    code = "invalid_body"
+
+
+class RequestBodyTooLarge(InvalidRequestBody):
+    status = 413
+    code = "body_too_large"
+
+
+class InvalidEvent(InvalidInput):
+    code = "invalid_event"
+
+
+class IdempotencyConflict(OutboxError):
+    """The key exists in a state that forbids running this request now."""
+
+    status: int = 409
+    code: str = "idempotency_conflict"
+
+
+class RequestInProgress(IdempotencyConflict):
+    """A request with the same key is being processed; try again later."""
+
+    code = "request_in_progress"
+
+    def __init__(self, message: str = "a request with this key is in progress",
+                 retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class KeyReused(IdempotencyConflict):
+    """The key was first used with a different request (method, path or body)."""
+
+    status = 422
+    code = "idempotency_key_reused"
+
+
+class ClaimLost(IdempotencyConflict):
+    """Our phased claim expired and another request took the key over.
+
+    Raised inside the business transaction by `complete()`: letting it propagate rolls
+    back every business and outbox row of the zombie request.
+    """
+
+    code = "claim_lost"
+
+
+class LeaseLost(OutboxError):
+    """A dispatcher wrote after its lease was taken over; the write was refused."""
+
+
+class RetentionTooShort(ConfigurationError):
+    """Purging inbox rows sooner than the source redelivers would re-apply events."""
+
+
+class DeliveryError(OutboxError):
+    """Raised by an effect handler to choose what happens to the effect next."""
+
+
+class RetryAfter(DeliveryError):
+    """Retry the effect no sooner than `delay` seconds from now."""
+
+    def __init__(self, delay: float, message: str = "retry requested") -> None:
+        super().__init__(message)
+        self.delay = max(0.0, float(delay))
+
+
+class PermanentFailure(DeliveryError):
+    """The effect can never succeed: dead-letter it without further attempts."""
+
+
+class AmbiguousOutcome(DeliveryError):
+    """The request went out but its result is unknown (timeout, reset).
+
+    Retried with the same effect key, unless the handler says the receiver cannot
+    deduplicate; then the effect is parked for reconciliation.
+    """

@@ -1,0 +1,222 @@
+"""The dispatch loop's statements: claim, extend leases, record outcomes, rescue.
+
+Every write after a claim is fenced by the row's `lease_token`: a worker whose lease
+was taken over changes nothing, and its attempt is recorded as `lease_lost`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Row, text
+
+_NOW = "coalesce(CAST(:now AS timestamptz), now())"
+
+# Two MATERIALIZED CTEs: a plain `IN (SELECT ... LIMIT n)` may be re-evaluated and
+# claim more than n rows (PostgreSQL bug #15715); a CTE is evaluated exactly once.
+# `rescue` takes in-flight rows whose lease expired (their worker died or stalled);
+# `fresh` takes due pending rows, only the head of each ordering key.
+_CLAIM = text(
+    f"""
+    WITH rescue AS MATERIALIZED (
+        SELECT id FROM outbox.effects
+         WHERE status = 'in_flight' AND queue = :queue
+           AND lease_expires_at < {_NOW}
+           AND attempts < max_attempts
+           AND (retry_until IS NULL OR retry_until > {_NOW})
+         ORDER BY lease_expires_at
+         LIMIT :limit
+         FOR UPDATE SKIP LOCKED
+    ), fresh AS MATERIALIZED (
+        SELECT id FROM outbox.effects e
+         WHERE status = 'pending' AND queue = :queue
+           AND available_at <= {_NOW}
+           AND (ordering_key IS NULL OR NOT EXISTS (
+                SELECT 1 FROM outbox.effects h
+                 WHERE h.ordering_key = e.ordering_key AND h.id < e.id
+                   AND h.status IN ('pending', 'in_flight', 'failed', 'needs_review')))
+         ORDER BY available_at, id
+         LIMIT :limit
+         FOR UPDATE SKIP LOCKED
+    ), picked AS MATERIALIZED (
+        SELECT id FROM rescue UNION ALL SELECT id FROM fresh LIMIT :limit
+    )
+    UPDATE outbox.effects e
+       SET status = 'in_flight',
+           lease_owner = :owner,
+           lease_token = gen_random_uuid(),
+           lease_expires_at = {_NOW} + make_interval(secs => :lease),
+           attempts = e.attempts + 1
+      FROM picked
+     WHERE e.id = picked.id
+    RETURNING e.id, e.effect_key, e.kind, e.payload, e.headers, e.attempts, e.max_attempts,
+              e.lease_token, e.lease_expires_at, e.created_at, e.retry_until,
+              e.ordering_key, e.queue
+    """
+)
+
+
+def claim_due(conn: Connection, *, queue: str, limit: int, owner: str,
+              lease_seconds: float, now: datetime | None = None) -> list[Row[Any]]:
+    """Claim at most `limit` due effects for `owner`; commit before delivering them."""
+    if limit <= 0:
+        return []
+    params = {"queue": queue, "limit": limit, "owner": owner, "lease": lease_seconds,
+              "now": now}
+    return list(conn.execute(_CLAIM, params))
+
+
+_EXTEND = text(
+    f"""
+    UPDATE outbox.effects e
+       SET lease_expires_at = {_NOW} + make_interval(secs => :lease)
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:tokens AS uuid[])) AS v(id, token)
+     WHERE e.id = v.id AND e.lease_token = v.token AND e.status = 'in_flight'
+    RETURNING e.id
+    """
+)
+
+
+def extend_leases(conn: Connection, leases: Sequence[tuple[int, uuid.UUID]],
+                  lease_seconds: float, now: datetime | None = None) -> set[int]:
+    """Extend many leases in one statement; returns the ids still ours."""
+    if not leases:
+        return set()
+    params = {"ids": [i for i, _ in leases], "tokens": [t for _, t in leases],
+              "lease": lease_seconds, "now": now}
+    return {r.id for r in conn.execute(_EXTEND, params)}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one attempt ended in, and the state the effect moves to."""
+
+    effect_id: int
+    lease_token: uuid.UUID
+    attempt: int
+    outcome: str             # AttemptOutcome value recorded for the attempt
+    next_status: str         # delivered | pending | failed | needs_review
+    started_at: datetime
+    delay: float = 0.0       # seconds until the next attempt, when next_status=pending
+    error: str | None = None
+    result: str | None = None  # JSON text stored on the effect
+    http_status: int | None = None
+    trace_id: str | None = None
+
+
+_RECORD = text(
+    f"""
+    WITH v AS (
+        SELECT * FROM unnest(
+            CAST(:ids AS bigint[]), CAST(:tokens AS uuid[]), CAST(:attempts AS int[]),
+            CAST(:outcomes AS text[]), CAST(:next AS text[]), CAST(:delays AS float8[]),
+            CAST(:errors AS text[]), CAST(:results AS text[]), CAST(:http AS int[]),
+            CAST(:started AS timestamptz[]), CAST(:trace_ids AS text[]))
+          AS v(id, token, attempt, outcome, next_status, delay, error, result,
+               http_status, started_at, trace_id)
+    ), upd AS (
+        UPDATE outbox.effects e
+           SET status = v.next_status,
+               available_at = CASE WHEN v.next_status = 'pending'
+                                   THEN {_NOW} + make_interval(secs => v.delay)
+                                   ELSE e.available_at END,
+               lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
+               delivered_at = CASE WHEN v.next_status = 'delivered' THEN {_NOW} END,
+               finished_at = CASE WHEN v.next_status IN ('delivered', 'failed', 'needs_review')
+                                  THEN {_NOW} END,
+               last_error = coalesce(v.error, e.last_error),
+               result = coalesce(CAST(v.result AS jsonb), e.result)
+          FROM v
+         WHERE e.id = v.id AND e.lease_token = v.token AND e.status = 'in_flight'
+        RETURNING e.id
+    )
+    INSERT INTO outbox.attempts
+           (effect_id, attempt, worker, started_at, finished_at, outcome, http_status,
+            error, trace_id)
+    SELECT v.id, v.attempt, :worker, v.started_at, {_NOW},
+           CASE WHEN upd.id IS NULL THEN 'lease_lost' ELSE v.outcome END,
+           v.http_status, v.error, v.trace_id
+      FROM v LEFT JOIN upd ON upd.id = v.id
+     WHERE EXISTS (SELECT 1 FROM outbox.effects x WHERE x.id = v.id)
+    RETURNING effect_id, outcome
+    """
+)
+
+
+def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], worker: str,
+                    now: datetime | None = None) -> dict[int, str]:
+    """Apply a batch of attempt outcomes in one statement, fenced by lease token.
+
+    Returns {effect_id: recorded attempt outcome}; `lease_lost` marks a fenced write.
+    """
+    if not outcomes:
+        return {}
+    params: dict[str, Any] = {
+        "ids": [o.effect_id for o in outcomes],
+        "tokens": [o.lease_token for o in outcomes],
+        "attempts": [o.attempt for o in outcomes],
+        "outcomes": [o.outcome for o in outcomes],
+        "next": [o.next_status for o in outcomes],
+        "delays": [o.delay for o in outcomes],
+        "errors": [o.error for o in outcomes],
+        "results": [o.result for o in outcomes],
+        "http": [o.http_status for o in outcomes],
+        "started": [o.started_at for o in outcomes],
+        "trace_ids": [o.trace_id for o in outcomes],
+        "worker": worker,
+        "now": now,
+    }
+    return {r.effect_id: r.outcome for r in conn.execute(_RECORD, params)}
+
+
+_FAIL_EXHAUSTED = text(
+    f"""
+    WITH dead AS MATERIALIZED (
+        SELECT id, attempts, lease_owner FROM outbox.effects
+         WHERE status = 'in_flight' AND lease_expires_at < {_NOW}
+           AND (attempts >= max_attempts OR retry_until <= {_NOW})
+         LIMIT :batch
+         FOR UPDATE SKIP LOCKED
+    ), upd AS (
+        UPDATE outbox.effects e
+           SET status = 'failed', finished_at = {_NOW},
+               lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
+               last_error = 'lease expired on the last allowed attempt'
+          FROM dead WHERE e.id = dead.id
+        RETURNING e.id
+    )
+    INSERT INTO outbox.attempts (effect_id, attempt, worker, started_at, outcome, error)
+    SELECT dead.id, dead.attempts, dead.lease_owner, {_NOW}, 'failed',
+           'lease expired on the last allowed attempt'
+      FROM dead JOIN upd ON upd.id = dead.id
+    RETURNING effect_id
+    """
+)
+
+
+def fail_exhausted_leases(conn: Connection, batch: int = 1000,
+                          now: datetime | None = None) -> list[int]:
+    """Dead-letter expired leases that may not be retried (the poison-loop stop)."""
+    return [r.effect_id for r in conn.execute(_FAIL_EXHAUSTED, {"batch": batch, "now": now})]
+
+
+_NEXT_DUE = text(
+    f"""
+    SELECT extract(epoch FROM least(
+             (SELECT min(available_at) FROM outbox.effects
+               WHERE status = 'pending' AND queue = :queue),
+             (SELECT min(lease_expires_at) FROM outbox.effects
+               WHERE status = 'in_flight' AND queue = :queue)) - {_NOW}) AS wait
+    """
+)
+
+
+def seconds_until_due(conn: Connection, queue: str, now: datetime | None = None
+                      ) -> float | None:
+    """Seconds until something becomes claimable (<= 0: now); None if nothing waits."""
+    wait = conn.execute(_NEXT_DUE, {"queue": queue, "now": now}).scalar_one()
+    return None if wait is None else float(wait)

@@ -1,0 +1,210 @@
+"""Statements on `outbox.effects` and `outbox.attempts` outside the dispatch loop:
+enqueue, inspect, repair and purge."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Row, text
+
+_NOW = "coalesce(CAST(:now AS timestamptz), now())"
+
+_INSERT_EFFECTS = text(
+    f"""
+    INSERT INTO outbox.effects
+           (effect_key, kind, payload, headers, ordering_key, queue, max_attempts,
+            available_at, retry_until)
+    SELECT k, kind, CAST(p AS jsonb), CAST(h AS jsonb), ok, q, m,
+           {_NOW} + make_interval(secs => d),
+           CASE WHEN ru IS NULL THEN NULL ELSE {_NOW} + make_interval(secs => ru) END
+      FROM unnest(CAST(:keys AS text[]), CAST(:kinds AS text[]), CAST(:payloads AS text[]),
+                  CAST(:headers AS text[]), CAST(:ordering_keys AS text[]),
+                  CAST(:queues AS text[]), CAST(:max_attempts AS int[]),
+                  CAST(:delays AS float8[]), CAST(:retry_for AS float8[]))
+           AS t(k, kind, p, h, ok, q, m, d, ru)
+    ON CONFLICT (effect_key) DO NOTHING
+    RETURNING id, effect_key
+    """
+)
+
+
+def insert_effects(conn: Connection, rows: Sequence[dict[str, Any]],
+                   now: datetime | None = None) -> dict[str, int]:
+    """Insert effects in one statement; returns {effect_key: id} of the rows inserted.
+
+    Each row: key, kind, payload (JSON text), headers (JSON text), ordering_key, queue,
+    max_attempts, delay (seconds), retry_for (seconds or None).
+    """
+    params = {
+        "keys": [r["key"] for r in rows],
+        "kinds": [r["kind"] for r in rows],
+        "payloads": [r["payload"] for r in rows],
+        "headers": [r["headers"] for r in rows],
+        "ordering_keys": [r["ordering_key"] for r in rows],
+        "queues": [r["queue"] for r in rows],
+        "max_attempts": [r["max_attempts"] for r in rows],
+        "delays": [r["delay"] for r in rows],
+        "retry_for": [r["retry_for"] for r in rows],
+        "now": now,
+    }
+    return {row.effect_key: row.id for row in conn.execute(_INSERT_EFFECTS, params)}
+
+
+_IDS_BY_KEY = text("SELECT effect_key, id FROM outbox.effects WHERE effect_key = ANY(:keys)")
+
+
+def ids_by_key(conn: Connection, keys: Sequence[str]) -> dict[str, int]:
+    return {r.effect_key: r.id for r in conn.execute(_IDS_BY_KEY, {"keys": list(keys)})}
+
+
+_NOTIFY = text("SELECT pg_notify(:channel, :queue)")
+
+
+def notify_due(conn: Connection, channel: str, queue: str) -> None:
+    """The transactional doorbell: PostgreSQL delivers it only if we commit."""
+    conn.execute(_NOTIFY, {"channel": channel, "queue": queue})
+
+
+_COUNT_BY_STATUS = text("SELECT status, count(*) AS n FROM outbox.effects GROUP BY status")
+
+
+def count_effects(conn: Connection) -> dict[str, int]:
+    return {r.status: r.n for r in conn.execute(_COUNT_BY_STATUS)}
+
+
+_HEALTH = text(
+    f"""
+    SELECT
+      (SELECT extract(epoch FROM {_NOW} - min(available_at))
+         FROM outbox.effects WHERE status = 'pending' AND available_at <= {_NOW})
+        AS oldest_due_age,
+      (SELECT count(*) FROM outbox.effects
+        WHERE status = 'pending' AND available_at <= {_NOW}) AS due,
+      (SELECT count(*) FROM outbox.effects
+        WHERE status = 'in_flight' AND lease_expires_at < {_NOW}) AS expired_leases
+    """
+)
+
+
+def effect_health(conn: Connection, now: datetime | None = None) -> dict[str, float]:
+    """Oldest due age (s), due count and expired leases: what an operator alerts on."""
+    row = conn.execute(_HEALTH, {"now": now}).one()
+    return {
+        "oldest_due_age_seconds": float(row.oldest_due_age or 0.0),
+        "due": int(row.due),
+        "expired_leases": int(row.expired_leases),
+    }
+
+
+_BLOCKED_KEYS = text(
+    """
+    SELECT DISTINCT ON (ordering_key) ordering_key, id, status, attempts, last_error
+      FROM outbox.effects
+     WHERE ordering_key IS NOT NULL
+       AND status IN ('pending', 'in_flight', 'failed', 'needs_review')
+     ORDER BY ordering_key, id
+    """
+)
+
+
+def blocked_ordering_keys(conn: Connection, limit: int = 50) -> list[Row[Any]]:
+    """Ordering keys whose head is dead-lettered, parked or retrying: they wait on it."""
+    rows = conn.execute(_BLOCKED_KEYS).all()
+    blocked = [r for r in rows if r.status in ("failed", "needs_review") or r.attempts > 0]
+    return blocked[:limit]
+
+
+_GET_EFFECT = text(
+    """
+    SELECT * FROM outbox.effects
+     WHERE id = CAST(:id AS bigint) OR effect_key = :key
+     ORDER BY id LIMIT 1
+    """
+)
+
+
+def get_effect(conn: Connection, ident: str) -> Row[Any] | None:
+    """An effect by numeric id or by effect key."""
+    as_id = int(ident) if ident.isdigit() and len(ident) < 19 else None
+    return conn.execute(_GET_EFFECT, {"id": as_id, "key": ident}).first()
+
+
+_ATTEMPTS = text(
+    "SELECT * FROM outbox.attempts WHERE effect_id = :effect_id ORDER BY attempt, id"
+)
+
+
+def attempts_of(conn: Connection, effect_id: int) -> list[Row[Any]]:
+    return list(conn.execute(_ATTEMPTS, {"effect_id": effect_id}))
+
+
+_LIST_EFFECTS = text(
+    """
+    SELECT id, effect_key, kind, status, attempts, max_attempts, available_at,
+           ordering_key, last_error
+      FROM outbox.effects WHERE status = :status ORDER BY id LIMIT :limit
+    """
+)
+
+
+def list_effects(conn: Connection, status: str, limit: int) -> list[Row[Any]]:
+    return list(conn.execute(_LIST_EFFECTS, {"status": status, "limit": limit}))
+
+
+_REQUEUE = text(
+    f"""
+    UPDATE outbox.effects
+       SET status = 'pending', available_at = {_NOW}, attempts = 0,
+           finished_at = NULL, last_error = NULL
+     WHERE status IN ('failed', 'needs_review', 'cancelled')
+       AND (id = ANY(CAST(:ids AS bigint[])) OR CAST(:all_failed AS boolean))
+       AND (NOT CAST(:all_failed AS boolean) OR status = 'failed')
+    RETURNING id
+    """
+)
+
+
+def requeue(conn: Connection, ids: Sequence[int], all_failed: bool = False,
+            now: datetime | None = None) -> list[int]:
+    """Give dead-lettered, parked or cancelled effects a fresh set of attempts."""
+    params = {"ids": list(ids), "all_failed": all_failed, "now": now}
+    return [r.id for r in conn.execute(_REQUEUE, params)]
+
+
+_CANCEL = text(
+    f"""
+    UPDATE outbox.effects SET status = 'cancelled', finished_at = {_NOW}
+     WHERE id = ANY(CAST(:ids AS bigint[])) AND status IN ('pending', 'failed', 'needs_review')
+    RETURNING id
+    """
+)
+
+
+def cancel(conn: Connection, ids: Sequence[int], now: datetime | None = None) -> list[int]:
+    """Cancel effects that are not in flight (an in-flight one may already be applied)."""
+    return [r.id for r in conn.execute(_CANCEL, {"ids": list(ids), "now": now})]
+
+
+_PURGE_FINISHED = text(
+    f"""
+    DELETE FROM outbox.effects
+     WHERE id = ANY(ARRAY(
+           SELECT id FROM outbox.effects
+            WHERE finished_at < {_NOW} - make_interval(secs => :older_than)
+              AND status IN ('delivered', 'cancelled')
+            ORDER BY finished_at
+            LIMIT :batch))
+    """
+)
+
+
+def purge_finished_effects(conn: Connection, older_than_seconds: float, batch: int,
+                           now: datetime | None = None) -> int:
+    """Delete up to `batch` delivered/cancelled effects (and, by cascade, attempts).
+
+    Dead letters are kept: they are evidence until an operator retries or cancels them.
+    """
+    params = {"older_than": older_than_seconds, "batch": batch, "now": now}
+    return conn.execute(_PURGE_FINISHED, params).rowcount
