@@ -16,6 +16,7 @@
     └── DeliveryError                raised by effect handlers to steer retries
         ├── RetryAfter               retry no sooner than `delay` seconds
         ├── PermanentFailure         never retry: dead-letter now
+        ├── TransientFailure         retry with the policy's backoff
         └── AmbiguousOutcome         the request may have been applied
 
 Client errors carry an HTTP `status` so an adapter maps them without a table.
@@ -100,19 +101,34 @@ class RetentionTooShort(ConfigurationError):
 
 
 class DeliveryError(OutboxError):
-    """Raised by an effect handler to choose what happens to the effect next."""
+    """Raised by an effect handler to choose what happens to the effect next.
+
+    `http_status` and `detail` (a short summary of the receiver's answer) are stored
+    on the attempt and the effect, so an operator sees why without the logs.
+    """
+
+    def __init__(self, message: str = "delivery failed", *, http_status: int | None = None,
+                 detail: object = None) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+        self.detail = detail
 
 
 class RetryAfter(DeliveryError):
     """Retry the effect no sooner than `delay` seconds from now."""
 
-    def __init__(self, delay: float, message: str = "retry requested") -> None:
-        super().__init__(message)
+    def __init__(self, delay: float, message: str = "retry requested", *,
+                 http_status: int | None = None, detail: object = None) -> None:
+        super().__init__(message, http_status=http_status, detail=detail)
         self.delay = max(0.0, float(delay))
 
 
 class PermanentFailure(DeliveryError):
     """The effect can never succeed: dead-letter it without further attempts."""
+
+
+class TransientFailure(DeliveryError):
+    """Worth retrying with backoff (5xx, 409, refused connection, ...)."""
 
 
 class AmbiguousOutcome(DeliveryError):

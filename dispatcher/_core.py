@@ -1,0 +1,340 @@
+"""The delivery loop shared by `outbox worker` and the Celery `drain` task.
+
+claim (one short transaction, at most the free slots) -> deliver on a thread pool,
+holding no connection or transaction -> record outcomes in one fenced statement per
+batch. Leases of long deliveries are extended in one statement per worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from opentelemetry import propagate, trace
+from sqlalchemy import Engine, Row
+from sqlalchemy.exc import DBAPIError
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from dispatcher.handlers import EffectContext, Registry
+from dispatcher.policy import RetryPolicy
+from outbox._idempotency import Clock, database_clock
+from outbox._telemetry import deliveries, delivery_duration, delivery_lag, tracer
+from outbox.errors import DeliveryError, TransientFailure
+from outbox.sql import dispatch as sql
+
+log = logging.getLogger("outbox.dispatcher")
+
+
+def _crashpoint(name: str) -> None:
+    """Test hook (H3): `OUTBOX_CRASH_AT=name` SIGKILLs this process at that point."""
+    points = os.environ.get("OUTBOX_CRASH_AT")
+    if points and name in points.split(","):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+# Reconnect-and-retry for the loop's own short transactions (F25): a terminated
+# backend or a restarting server must not kill the worker. If a write keeps failing
+# the lease expires and the effect is redelivered with the same key.
+_db_retry = retry(
+    retry=retry_if_exception_type(DBAPIError),
+    stop=stop_after_delay(10),
+    wait=wait_exponential(multiplier=0.05, max=2),
+    reraise=True,
+)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    row: Row[Any]
+    started: float
+    future: Future[sql.Outcome] | None = None
+    extended_at: float = 0.0
+
+
+@dataclass(slots=True)
+class Stats:
+    claimed: int = 0
+    recorded: dict[str, int] = field(default_factory=dict)
+    lease_lost: int = 0
+
+    def add(self, recorded: dict[int, str]) -> None:
+        for outcome in recorded.values():
+            self.recorded[outcome] = self.recorded.get(outcome, 0) + 1
+            if outcome == "lease_lost":
+                self.lease_lost += 1
+
+
+class Dispatcher:
+    """Claims due effects and delivers them with at most `concurrency` in flight."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        registry: Registry,
+        *,
+        queue: str = "default",
+        concurrency: int = 8,
+        lease: float = 30.0,
+        worker_id: str | None = None,
+        policy: RetryPolicy | None = None,
+        clock: Clock = database_clock,
+        max_batch: int = 100,
+    ) -> None:
+        if concurrency < 1 or lease <= 0:
+            raise ValueError("concurrency must be >= 1 and lease > 0")
+        self.engine = engine
+        self.registry = registry
+        self.queue = queue
+        self.concurrency = concurrency
+        self.lease = lease
+        self.worker_id = worker_id or default_worker_id()
+        self.policy = policy or RetryPolicy()
+        self.clock = clock
+        self.max_batch = max_batch
+        self.stats = Stats()
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="outbox-deliver")
+        self._inflight: dict[int, _InFlight] = {}
+        self._done: list[sql.Outcome] = []
+        self._done_lock = threading.Lock()
+        self.wake = threading.Event()
+        self._last_extend = time.monotonic()
+
+    # -- database steps ----------------------------------------------------------------
+
+    @_db_retry
+    def _claim(self, limit: int) -> list[Row[Any]]:
+        with self.engine.begin() as conn:
+            return sql.claim_due(conn, queue=self.queue, limit=limit, owner=self.worker_id,
+                                 lease_seconds=self.lease, now=self.clock())
+
+    def flush(self) -> dict[int, str]:
+        """Record every finished attempt in one statement (fenced by lease token)."""
+        with self._done_lock:
+            batch, self._done = self._done, []
+        if not batch:
+            return {}
+        try:
+            recorded = self._record(batch)
+        except DBAPIError:
+            log.exception("could not record %d outcomes; their leases will expire and "
+                          "the effects will be redelivered with the same keys", len(batch))
+            return {}
+        self.stats.add(recorded)
+        for o in batch:
+            got = recorded.get(o.effect_id, "lease_lost")
+            if got == "lease_lost":
+                log.warning("effect %s: lease lost before its outcome was recorded "
+                            "(fenced)", o.effect_id)
+            deliveries.add(1, {"outcome": got})
+        return recorded
+
+    @_db_retry
+    def _record(self, batch: list[sql.Outcome]) -> dict[int, str]:
+        with self.engine.begin() as conn:
+            return sql.record_outcomes(conn, batch, self.worker_id, now=self.clock())
+
+    def extend_leases(self, force: bool = False) -> None:
+        """Extend, in one statement, leases of deliveries running for lease/3 or more."""
+        now = time.monotonic()
+        if not force and now - self._last_extend < self.lease / 3:
+            return
+        self._last_extend = now
+        due = [f for f in self._inflight.values()
+               if now - max(f.started, f.extended_at) >= self.lease / 3]
+        if not due:
+            return
+        leases = [(f.row.id, f.row.lease_token) for f in due]
+        try:
+            with self.engine.begin() as conn:
+                kept = sql.extend_leases(conn, leases, self.lease, now=self.clock())
+        except DBAPIError:
+            log.exception("could not extend %d leases", len(leases))
+            return
+        for f in due:
+            if f.row.id in kept:
+                f.extended_at = now
+            else:
+                log.warning("effect %s: lease lost while delivering", f.row.id)
+
+    # -- delivery ----------------------------------------------------------------------
+
+    def _deliver(self, row: Row[Any], started_monotonic: float) -> sql.Outcome:
+        """Run the handler for one claimed row (on a pool thread; no DB connection)."""
+        started_at = datetime.now(UTC)
+        headers = row.headers if isinstance(row.headers, dict) else {}
+        parent = propagate.extract(headers)
+        registration = self.registry.get(row.kind)
+        with tracer.start_as_current_span(
+            f"outbox.deliver {row.kind}", context=parent, kind=trace.SpanKind.CONSUMER,
+            attributes={"outbox.effect_id": row.id, "outbox.effect_key": row.effect_key,
+                        "outbox.attempt": row.attempts, "outbox.kind": row.kind},
+        ) as span:
+            trace_id = format(span.get_span_context().trace_id, "032x")
+            effect = EffectContext(
+                id=row.id, key=row.effect_key, kind=row.kind, payload=row.payload,
+                attempt=row.attempts, max_attempts=row.max_attempts,
+                deadline=started_monotonic + self.lease * 0.8, created_at=row.created_at,
+                ordering_key=row.ordering_key)
+            t0 = time.perf_counter()
+            try:
+                if registration is None:
+                    raise TransientFailure(f"no handler registered for kind {row.kind!r}")
+                result = registration.handler(effect)
+                _crashpoint("after_deliver_before_record")
+            except Exception as exc:  # every failure is classified by the policy
+                duration = time.perf_counter() - t0
+                decision = self.policy.decide(
+                    attempt=row.attempts, max_attempts=row.max_attempts, error=exc,
+                    retry_safe=registration.retry_safe if registration else True,
+                    retry_until=row.retry_until, now=datetime.now(UTC))
+                detail = exc.detail if isinstance(exc, DeliveryError) else None
+                http_status = exc.http_status if isinstance(exc, DeliveryError) else None
+                span.set_attribute("outbox.outcome", decision.outcome)
+                if http_status is not None:
+                    span.set_attribute("http.response.status_code", http_status)
+                span.record_exception(exc)
+                delivery_duration.record(duration, {"kind": row.kind,
+                                                    "outcome": decision.outcome})
+                return sql.Outcome(
+                    effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+                    outcome=decision.outcome, next_status=decision.next_status,
+                    started_at=started_at, delay=decision.delay,
+                    error=f"{type(exc).__name__}: {exc}"[:2000],
+                    result=json.dumps(detail, default=str) if detail is not None else None,
+                    http_status=http_status, trace_id=trace_id)
+            duration = time.perf_counter() - t0
+            span.set_attribute("outbox.outcome", "delivered")
+            delivery_duration.record(duration, {"kind": row.kind, "outcome": "delivered"})
+            delivery_lag.record(
+                max(0.0, (datetime.now(UTC) - row.created_at).total_seconds()),
+                {"kind": row.kind})
+            status = result.get("status") if isinstance(result, dict) else None
+            return sql.Outcome(
+                effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+                outcome="delivered", next_status="delivered", started_at=started_at,
+                result=json.dumps(result, default=str) if result is not None else None,
+                http_status=status if isinstance(status, int) else None, trace_id=trace_id)
+
+    def _finished(self, row: Row[Any], future: Future[sql.Outcome]) -> None:
+        try:
+            outcome = future.result()
+        except BaseException as exc:  # a bug in a policy, say: retry, never strand it
+            log.exception("delivery of effect %s crashed", row.id)
+            outcome = sql.Outcome(
+                effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+                outcome="retry", next_status="pending", started_at=datetime.now(UTC),
+                delay=min(60.0, 2.0 ** row.attempts), error=f"{type(exc).__name__}: {exc}")
+        with self._done_lock:
+            self._done.append(outcome)
+        self.wake.set()
+
+    def fill(self) -> int:
+        """Claim up to the free slots and start delivering; returns rows claimed."""
+        free = min(self.concurrency - len(self._inflight), self.max_batch)
+        if free <= 0:
+            return 0
+        rows = self._claim(free)
+        if rows:
+            _crashpoint("after_claim")
+        self.stats.claimed += len(rows)
+        now = time.monotonic()
+        for row in rows:
+            item = _InFlight(row, now)
+            self._inflight[row.id] = item
+            item.future = self._pool.submit(self._deliver, row, now)
+            item.future.add_done_callback(
+                lambda fut, r=row: self._finished(r, fut))
+        return len(rows)
+
+    def reap(self) -> int:
+        """Forget finished deliveries and record their outcomes; returns how many."""
+        finished = [i for i, f in self._inflight.items() if f.future and f.future.done()]
+        for i in finished:
+            del self._inflight[i]
+        self.flush()
+        return len(finished)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    # -- loops -------------------------------------------------------------------------
+
+    def drain(self, budget: float = 10.0) -> bool:
+        """Deliver until nothing is due or `budget` seconds pass.
+
+        Returns True when the budget ran out (more may be due: chain another drain).
+        """
+        deadline = time.monotonic() + budget
+        out_of_time = False
+        while True:
+            out_of_time = time.monotonic() >= deadline
+            claimed = 0 if out_of_time else self.fill()
+            if not self._inflight and claimed == 0:
+                break
+            self.wake.wait(0.05)
+            self.wake.clear()
+            self.reap()
+            self.extend_leases()
+        self.flush()
+        return out_of_time
+
+    def run(self, stop: threading.Event, *, poll_interval: float = 1.0,
+            grace: float = 10.0, on_idle: Callable[[], None] | None = None) -> None:
+        """Loop until `stop` is set; then stop claiming and shut down gracefully."""
+        last_claim_empty = 0.0
+        while not stop.is_set():
+            claimed = 0
+            now = time.monotonic()
+            if len(self._inflight) < self.concurrency and (
+                    self.wake.is_set() or now - last_claim_empty >= poll_interval
+                    or last_claim_empty == 0.0):
+                self.wake.clear()
+                claimed = self.fill()
+                if claimed == 0:
+                    last_claim_empty = time.monotonic()
+                    if on_idle is not None and not self._inflight:
+                        on_idle()
+            if claimed == 0 or len(self._inflight) >= self.concurrency:
+                self.wake.wait(min(poll_interval, 0.25) if self._inflight else poll_interval)
+            self.reap()
+            self.extend_leases()
+        self.shutdown(grace)
+
+    def shutdown(self, grace: float = 10.0) -> None:
+        """Finish in-flight deliveries within `grace` seconds, release the rest."""
+        deadline = time.monotonic() + grace
+        while self._inflight and time.monotonic() < deadline:
+            self.wake.wait(0.05)
+            self.wake.clear()
+            self.reap()
+            self.extend_leases()
+        if self._inflight:
+            release = [
+                sql.Outcome(effect_id=f.row.id, lease_token=f.row.lease_token,
+                            attempt=f.row.attempts, outcome="retry", next_status="pending",
+                            started_at=datetime.now(UTC), delay=0.0,
+                            error="released: worker shut down mid-delivery")
+                for f in self._inflight.values()
+            ]
+            with self._done_lock:
+                self._done.extend(release)
+            log.warning("released %d in-flight effects at shutdown", len(release))
+            self._inflight.clear()
+        self.flush()
+        self._pool.shutdown(wait=False, cancel_futures=True)
