@@ -295,7 +295,7 @@ class Dispatcher:
         return out_of_time
 
     def run(self, stop: threading.Event, *, poll_interval: float = 1.0,
-            grace: float = 10.0, on_idle: Callable[[], None] | None = None) -> None:
+            grace: float = 10.0, on_tick: Callable[[], None] | None = None) -> None:
         """Loop until `stop` is set; then stop claiming and shut down gracefully."""
         last_claim_empty = 0.0
         while not stop.is_set():
@@ -308,12 +308,12 @@ class Dispatcher:
                 claimed = self.fill()
                 if claimed == 0:
                     last_claim_empty = time.monotonic()
-                    if on_idle is not None and not self._inflight:
-                        on_idle()
             if claimed == 0 or len(self._inflight) >= self.concurrency:
                 self.wake.wait(min(poll_interval, 0.25) if self._inflight else poll_interval)
             self.reap()
             self.extend_leases()
+            if on_tick is not None:
+                on_tick()
         self.shutdown(grace)
 
     def shutdown(self, grace: float = 10.0) -> None:

@@ -11,7 +11,8 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, create_engine, make_url, text
+from sqlalchemy.pool import NullPool
 
 from outbox import _migrate
 from outbox._config import database_url, make_engine
@@ -22,11 +23,18 @@ TABLES = ("attempts", "effects", "idempotency_keys", "inbox", "inbox_conflicts",
 
 @pytest.fixture(scope="session")
 def db_url() -> Iterator[str]:
-    url = database_url()
+    """A fresh database per test session, so parallel runs never share tables."""
+    server_url = make_url(database_url())
+    name = f"outbox_test_{os.getpid()}"
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = server_url.set(database=name).render_as_string(hide_password=False)
+    previous = os.environ.get("DATABASE_URL")
     os.environ["DATABASE_URL"] = url
     engine = make_engine(url, application_name="tests-setup")
     with engine.begin() as conn:
-        conn.execute(text("DROP SCHEMA IF EXISTS outbox CASCADE"))
         conn.execute(text(
             "CREATE TABLE IF NOT EXISTS public.test_orders ("
             " id bigserial PRIMARY KEY, key text, amount int NOT NULL,"
@@ -34,6 +42,13 @@ def db_url() -> Iterator[str]:
     engine.dispose()
     _migrate.upgrade(url)
     yield url
+    if previous is None:
+        os.environ.pop("DATABASE_URL", None)
+    else:
+        os.environ["DATABASE_URL"] = previous
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,302 @@
+"""The `outbox` command: migrate, worker, status, trace, retry, cancel, purge, demo.
+
+It lives in `dispatcher` because `outbox worker` runs the dispatcher, and the
+`outbox` package must not import `dispatcher`. Errors are one line on stderr; exit
+codes: 0 ok, 1 operational failure (database unreachable, invariant failed), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from outbox._config import make_engine
+from outbox.errors import ConfigurationError, OutboxError
+
+STATUSES = ("pending", "in_flight", "delivered", "failed", "cancelled", "needs_review")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
+_UNITS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class UsageError(OutboxError):
+    """Bad arguments: exit code 2."""
+
+
+def parse_duration(text: str) -> float:
+    """`90`, `90s`, `15m`, `24h`, `7d`, `2w` -> seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise UsageError(f"not a duration: {text!r} (use e.g. 90s, 15m, 24h, 7d)")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _engine(name: str) -> Engine:
+    return make_engine(application_name=f"outbox-{name}", pool_size=4, max_overflow=4)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from outbox import _migrate
+    from outbox._config import database_url
+
+    url = database_url()
+    _migrate.upgrade(url)
+    print("migrated to head", file=sys.stderr)
+    return 0
+
+
+def status_snapshot(engine: Engine) -> dict[str, Any]:
+    """What `outbox status --json` prints: counts by status first, then health."""
+    from outbox.sql import effects as fx
+    from outbox.sql import keys as kx
+
+    with engine.connect() as conn:
+        counts = fx.count_effects(conn)
+        health = fx.effect_health(conn)
+        blocked = fx.blocked_ordering_keys(conn)
+        key_counts = kx.count_keys(conn, ttl_seconds=60.0)
+    out: dict[str, Any] = {s: counts.get(s, 0) for s in STATUSES}
+    out.update(health)
+    out["idempotency_keys"] = key_counts
+    out["blocked_ordering_keys"] = [
+        {"ordering_key": r.ordering_key, "head_id": r.id, "status": r.status,
+         "attempts": r.attempts, "last_error": r.last_error} for r in blocked]
+    return out
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    snap = status_snapshot(_engine("status"))
+    if args.json:
+        print(json.dumps(snap))
+        return 0
+    print("effects")
+    for s in STATUSES:
+        print(f"  {s:<13}{snap[s]:>10}")
+    print(f"  due now      {snap['due']:>10}   oldest due {snap['oldest_due_age_seconds']:.1f}s"
+          f"   expired leases {snap['expired_leases']}")
+    keys = snap["idempotency_keys"]
+    print(f"idempotency keys  processing {keys['processing']}  completed {keys['completed']}"
+          f"  stale {keys['stale_processing']}")
+    if snap["blocked_ordering_keys"]:
+        print("blocked ordering keys (head effect)")
+        for b in snap["blocked_ordering_keys"]:
+            print(f"  {b['ordering_key']}: #{b['head_id']} {b['status']} "
+                  f"after {b['attempts']} attempts: {b['last_error'] or ''}")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from outbox.sql import effects as fx
+
+    engine = _engine("trace")
+    with engine.connect() as conn:
+        row = fx.get_effect(conn, args.id)
+        if row is None:
+            raise UsageError(f"no effect with id or key {args.id!r}")
+        attempts = fx.attempts_of(conn, row.id)
+    effect = {k: (v.isoformat() if hasattr(v, "isoformat") else
+                  str(v) if k == "lease_token" and v is not None else v)
+              for k, v in row._mapping.items()}
+    history = [{k: (v.isoformat() if hasattr(v, "isoformat") else v)
+                for k, v in a._mapping.items()} for a in attempts]
+    if args.json:
+        print(json.dumps({"effect": effect, "attempts": history}, default=str))
+        return 0
+    print(f"effect #{row.id} {row.kind} key={row.effect_key}")
+    print(f"  status {row.status}, attempts {row.attempts}/{row.max_attempts}, "
+          f"created {row.created_at:%Y-%m-%d %H:%M:%S}, available {row.available_at:%H:%M:%S}")
+    tp = (row.headers or {}).get("traceparent")
+    if tp:
+        print(f"  trace {tp.split('-')[1]} (enqueued in traceparent {tp})")
+    if row.last_error:
+        print(f"  last error: {row.last_error}")
+    for a in attempts:
+        took = (a.finished_at - a.started_at).total_seconds()
+        print(f"  attempt {a.attempt}: {a.outcome:<10} {a.http_status or '':<4} {took:7.3f}s "
+              f"by {a.worker} trace={a.trace_id or '-'} {a.error or ''}")
+    return 0
+
+
+def _ids(values: Sequence[str]) -> list[int]:
+    try:
+        return [int(v) for v in values]
+    except ValueError:
+        raise UsageError("effect ids are integers") from None
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    from outbox.sql import effects as fx
+
+    if not args.ids and not args.failed:
+        raise UsageError("give effect ids or --failed")
+    with _engine("retry").begin() as conn:
+        done = fx.requeue(conn, _ids(args.ids), all_failed=args.failed)
+    print(f"requeued {len(done)} effects" + (f": {done[:20]}" if done else ""))
+    return 0 if done or args.failed else 1
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from outbox.sql import effects as fx
+
+    with _engine("cancel").begin() as conn:
+        done = fx.cancel(conn, _ids(args.ids))
+    print(f"cancelled {len(done)} effects" + (f": {done}" if done else ""))
+    return 0 if done else 1
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    from outbox.sql import effects as fx
+    from outbox.sql import keys as kx
+
+    older = parse_duration(args.older_than)
+    engine = _engine("purge")
+    totals = {"effects": 0, "idempotency_keys": 0}
+    while True:
+        with engine.begin() as conn:
+            n = fx.purge_finished_effects(conn, older, args.batch)
+        totals["effects"] += n
+        if n:
+            print(f"\rpurged {totals['effects']} effects", end="", file=sys.stderr)
+        if n < args.batch:
+            break
+    while True:
+        with engine.begin() as conn:
+            n = kx.purge_expired_keys(conn, args.batch)
+        totals["idempotency_keys"] += n
+        if n < args.batch:
+            break
+    print(file=sys.stderr)
+    print(json.dumps(totals))
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from dispatcher._core import Dispatcher
+    from dispatcher.handlers import load_registry
+    from dispatcher.worker import run_worker
+    from outbox.telemetry_setup import configure
+
+    configure("outbox-worker")
+    registry = load_registry(args.handlers)
+    engine = make_engine(application_name=args.name or "outbox-worker",
+                         pool_size=2, max_overflow=2)
+    dispatcher = Dispatcher(engine, registry, queue=args.queue, concurrency=args.concurrency,
+                            lease=args.lease)
+    run_worker(dispatcher, poll_interval=args.poll, grace=args.grace)
+    return 0
+
+
+def cmd_example_api(args: argparse.Namespace) -> int:
+    from examples.payments.app import serve
+
+    serve(args.host, args.port)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from examples.payments.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="outbox",
+        description="Idempotency keys, transactional outbox and dispatcher for PostgreSQL. "
+        "Uses $DATABASE_URL, or an embedded PostgreSQL in ./.outbox when unset.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("migrate", help="apply the schema migrations").set_defaults(fn=cmd_migrate)
+
+    w = sub.add_parser("worker", help="run the standalone dispatcher")
+    w.add_argument("--concurrency", type=int, default=8, help="deliveries in flight (8)")
+    w.add_argument("--queue", default="default")
+    w.add_argument("--lease", type=float, default=30.0, help="lease seconds (30)")
+    w.add_argument("--poll", type=float, default=1.0, help="poll interval seconds (1)")
+    w.add_argument("--grace", type=float, default=10.0, help="shutdown grace seconds (10)")
+    w.add_argument("--handlers", default=None,
+                   help="module:registry (default $OUTBOX_HANDLERS or the payments example)")
+    w.add_argument("--name", default=None, help="application_name for pg_stat_activity")
+    w.set_defaults(fn=cmd_worker)
+
+    s = sub.add_parser("status", help="effects by status, health, blocked keys")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)
+
+    t = sub.add_parser("trace", help="an effect and its attempts, by id or effect key")
+    t.add_argument("id")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(fn=cmd_trace)
+
+    r = sub.add_parser("retry", help="requeue failed/parked effects")
+    r.add_argument("ids", nargs="*")
+    r.add_argument("--failed", action="store_true", help="every dead-lettered effect")
+    r.set_defaults(fn=cmd_retry)
+
+    c = sub.add_parser("cancel", help="cancel effects that are not in flight")
+    c.add_argument("ids", nargs="+")
+    c.set_defaults(fn=cmd_cancel)
+
+    pu = sub.add_parser("purge", help="delete old delivered effects and expired keys")
+    pu.add_argument("--older-than", required=True, help="e.g. 7d")
+    pu.add_argument("--batch", type=int, default=1000)
+    pu.set_defaults(fn=cmd_purge)
+
+    e = sub.add_parser("example-api", help="run the example payments service")
+    e.add_argument("--host", default="127.0.0.1")
+    e.add_argument("--port", type=int, default=8000)
+    e.set_defaults(fn=cmd_example_api)
+
+    d = sub.add_parser("demo", help="the whole promise, with crashes, in under a minute")
+    d.add_argument("--short", action="store_true", help="a quick run (tests use it)")
+    d.add_argument("--workers", type=int, default=3)
+    d.add_argument("--payments", type=int, default=None)
+    d.add_argument("--clients", type=int, default=None)
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose or args.command == "worker" else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.fn(args))
+    except UsageError as exc:
+        print(f"outbox: error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigurationError as exc:
+        print(f"outbox: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except OutboxError as exc:
+        print(f"outbox: error: {exc}", file=sys.stderr)
+        return 1
+    except DBAPIError as exc:
+        first = str(exc.orig or exc).strip().splitlines()[0] if str(exc.orig or exc) else ""
+        print(f"outbox: database error: {first}", file=sys.stderr)
+        return 1
+    except SQLAlchemyError as exc:
+        print(f"outbox: database error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if not os.environ.get("DATABASE_URL"):
+            from outbox import _embedded
+
+            _embedded.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""`outbox worker`: the delivery loop without Celery, woken by LISTEN/NOTIFY.
+
+NOTIFY is sent inside the enqueueing transaction, so PostgreSQL delivers it only on
+commit; polling every `poll_interval` seconds covers missed notifications, scheduled
+retries and expired leases. SIGTERM/SIGINT stop claiming, let in-flight deliveries
+finish within `grace`, and release the rest so another worker takes them at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+import psycopg
+from sqlalchemy import Engine, make_url
+
+from dispatcher._core import Dispatcher
+from outbox._config import NOTIFY_CHANNEL
+from outbox.sql import dispatch as sql
+
+log = logging.getLogger("outbox.worker")
+
+
+def _psycopg_dsn(engine: Engine) -> str:
+    url = make_url(engine.url).set(drivername="postgresql")
+    return url.render_as_string(hide_password=False)
+
+
+def listen(engine: Engine, channel: str, wake: threading.Event, stop: threading.Event,
+           queue: str) -> None:
+    """Set `wake` on every NOTIFY for our queue; reconnect with backoff on errors."""
+    backoff = 0.1
+    while not stop.is_set():
+        try:
+            with psycopg.connect(_psycopg_dsn(engine), autocommit=True,
+                                 application_name="outbox-listener") as conn:
+                conn.execute(f"LISTEN {channel}")  # channel is our constant, not input
+                backoff = 0.1
+                while not stop.is_set():
+                    for note in conn.notifies(timeout=0.5):
+                        if note.payload in ("", queue):
+                            wake.set()
+        except psycopg.Error as exc:
+            log.warning("listener lost its connection (%s); polling meanwhile", exc)
+            stop.wait(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+
+def sweep(engine: Engine) -> list[int]:
+    """Dead-letter expired leases that have no attempts left (the poison-loop stop)."""
+    with engine.begin() as conn:
+        return sql.fail_exhausted_leases(conn)
+
+
+def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: float = 10.0,
+               stop: threading.Event | None = None, install_signals: bool = True) -> None:
+    """Run until SIGTERM/SIGINT (or `stop`), then shut down gracefully."""
+    stop = stop or threading.Event()
+    if install_signals:
+        def on_signal(signum: int, _frame: Any) -> None:
+            log.info("signal %s: stop claiming, finishing in-flight deliveries", signum)
+            stop.set()
+            dispatcher.wake.set()
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    listener = threading.Thread(
+        target=listen, name="outbox-listen", daemon=True,
+        args=(dispatcher.engine, NOTIFY_CHANNEL, dispatcher.wake, stop, dispatcher.queue))
+    listener.start()
+    last_sweep = 0.0
+
+    def on_tick() -> None:
+        nonlocal last_sweep
+        if time.monotonic() - last_sweep >= max(poll_interval, 5.0):
+            last_sweep = time.monotonic()
+            try:
+                dead = sweep(dispatcher.engine)
+            except Exception:
+                log.exception("sweep failed")
+                return
+            if dead:
+                log.warning("dead-lettered %d effects whose last lease expired", len(dead))
+
+    log.info("worker %s: queue=%s concurrency=%d lease=%.0fs", dispatcher.worker_id,
+             dispatcher.queue, dispatcher.concurrency, dispatcher.lease)
+    dispatcher.run(stop, poll_interval=poll_interval, grace=grace, on_tick=on_tick)
+    log.info("worker %s stopped: %s", dispatcher.worker_id, dispatcher.stats)
