@@ -7,6 +7,7 @@ batch. Leases of long deliveries are extended in one statement per worker.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -257,8 +258,7 @@ class Dispatcher:
             item = _InFlight(row, now)
             self._inflight[row.id] = item
             item.future = self._pool.submit(self._deliver, row, now)
-            item.future.add_done_callback(
-                lambda fut, r=row: self._finished(r, fut))
+            item.future.add_done_callback(functools.partial(self._finished, row))
         return len(rows)
 
     def reap(self) -> int:

@@ -204,7 +204,7 @@ def cmd_example_api(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from examples.payments.demo import main as demo_main
 
-    return demo_main(args)
+    return int(demo_main(args))
 
 
 def build_parser() -> argparse.ArgumentParser:

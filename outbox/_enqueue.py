@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import uuid
@@ -91,10 +92,8 @@ def _ring_after_commit(target: Connectable, conn: Connection, queues: set[str]) 
     def ring(*_: Any) -> None:
         for queue in sorted(queues):
             for bell in list(_doorbells):
-                try:
+                with contextlib.suppress(Exception):
                     bell(queue)
-                except Exception:  # noqa: S110 - a lost ring is healed by the sweep
-                    pass
 
     if isinstance(target, Session):
         event.listen(target, "after_commit", ring, once=True)
