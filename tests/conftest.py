@@ -61,10 +61,11 @@ def engine(db_url: str) -> Iterator[Engine]:
 @pytest.fixture(autouse=True)
 def _clean(request: pytest.FixtureRequest) -> Iterator[None]:
     """Empty every table after a test that used the database."""
+    uses_db = "engine" in request.fixturenames or "db_url" in request.fixturenames
+    eng: Engine | None = request.getfixturevalue("engine") if uses_db else None
     yield
-    if "engine" not in request.fixturenames and "db_url" not in request.fixturenames:
+    if eng is None:
         return
-    eng: Engine = request.getfixturevalue("engine")
     with eng.begin() as conn:
         conn.execute(text(
             "TRUNCATE " + ", ".join(f"outbox.{t}" for t in TABLES)
