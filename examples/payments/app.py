@@ -1,0 +1,249 @@
+"""The example payments service (DESIGN.md §8): the contract external tests rely on.
+
+* `POST /payments` with `Idempotency-Key`: one `payments.payments` row, one
+  `psp.charge` and one `email.receipt` effect, all in the same transaction as the
+  key's stored response (`outbox.http.Idempotency`, atomic mode). 201 + Location.
+* `GET /payments/{id}`: 200, or a 404/422 problem (never a 500 for any id).
+* `POST /webhooks/{source}`: idempotent ingestion keyed by (source, id). 200 with
+  `{"outcome": "inserted"|"duplicate"|"stale"|"conflict"}`. A conflict (same id,
+  other payload) is also a 200: it is recorded in `outbox.inbox_conflicts` and
+  counted (`outbox.inbox.events{outcome=conflict}`), never applied; a non-2xx would
+  only make the sender redeliver the same bad copy for days (Stripe: 3) and hide
+  real failures in the retry noise. `POST /webhooks/{source}/batch` takes an array.
+* `GET /healthz`: 200 when the database answers and is migrated, else a 503 problem.
+
+Every error is an RFC 9457 problem+json with a `detail` member. Schema errors in a
+body are 422 (FastAPI's convention); a bad `Idempotency-Key` or non-JSON body is 400.
+"""
+
+# No `from __future__ import annotations`: FastAPI resolves the endpoints' annotations
+# at runtime, and they refer to a dependency local to `create_app`.
+import argparse
+import signal
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Annotated, Any, Literal, get_args
+
+from fastapi import Depends, FastAPI, Path, Request
+from pydantic import BaseModel, Field
+from sqlalchemy import Connection, Engine, insert, select, text
+from sqlalchemy.exc import DBAPIError
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse, Response
+
+from examples.payments.schema import CURRENCIES, MAX_AMOUNT, MAX_CUSTOMER, ensure_schema, payments
+from outbox import enqueue
+from outbox._canonical import DEFAULT_MAX_BODY
+from outbox._config import make_engine
+from outbox._idempotency import Claim, Mode
+from outbox._inbox import IncomingEvent, ingest, ingest_many, parse_event, parse_event_batch
+from outbox.http import (
+    Idempotency,
+    IdempotentRequest,
+    Problem,
+    check_json_media_type,
+    inline_refs,
+    install_problem_handlers,
+    problem_openapi,
+    read_body,
+)
+
+MAX_BIGINT = 2**63 - 1
+Currency = Literal["EUR", "USD", "GBP", "CHF", "JPY"]
+assert set(get_args(Currency)) == set(CURRENCIES)
+IDENTIFIER = "^[!-~]{1,255}$"  # printable ASCII, no spaces (outbox._inbox's rule)
+
+
+class PaymentIn(BaseModel):
+    """A payment to create. Strict types: `"100"`, `100.0` and `true` are not amounts."""
+
+    amount: Annotated[int, Field(strict=True, gt=0, le=MAX_AMOUNT,
+                                 description="Minor units (cents)")]
+    currency: Currency
+    customer: Annotated[str, Field(strict=True, min_length=1, max_length=MAX_CUSTOMER)]
+
+
+class Payment(BaseModel):
+    """A payment as stored; `status` is `pending` until the PSP's answer is processed."""
+
+    id: int
+    amount: int
+    currency: str
+    customer: str
+    status: str
+
+
+class Outcome(BaseModel):
+    outcome: Literal["inserted", "duplicate", "stale", "conflict"]
+
+
+class Outcomes(BaseModel):
+    outcomes: list[Literal["inserted", "duplicate", "stale", "conflict"]]
+
+
+class WebhookEvent(BaseModel):
+    """Documentation only: `outbox._inbox.parse_event` validates (400 on refusal)."""
+
+    id: Annotated[str, Field(pattern=IDENTIFIER)]
+    type: Annotated[str, Field(min_length=1, max_length=255)]
+    version: Annotated[int | None, Field(ge=0, le=MAX_BIGINT)] = None
+    entity: Annotated[str | None, Field(pattern=IDENTIFIER)] = None
+    data: dict[str, Any]
+
+
+def _body_schema(model: type[BaseModel], *, array: bool = False) -> dict[str, Any]:
+    schema = inline_refs(model.model_json_schema())
+    if array:
+        schema = {"type": "array", "minItems": 1, "maxItems": 1000, "items": schema}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {
+            "400": problem_openapi("Not strict JSON, or not a valid event"),
+            "413": problem_openapi(f"The body is larger than {DEFAULT_MAX_BODY} bytes"),
+            "415": problem_openapi("The body is not UTF-8 application/json"),
+            "422": problem_openapi("A parameter FastAPI rejects (events themselves get 400)"),
+        },
+    }
+
+
+SourceParam = Annotated[str, Path(
+    description="Who sent the event: 1-255 printable ASCII characters (else 400)",
+    json_schema_extra={"pattern": IDENTIFIER})]
+
+
+def _payment_json(row: Any) -> dict[str, Any]:
+    return {"id": row.id, "amount": row.amount, "currency": row.currency,
+            "customer": row.customer, "status": row.status}
+
+
+def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic") -> FastAPI:
+    """The service; without `engine` it connects to `DATABASE_URL` (and disposes on exit).
+
+    The `payments` schema is created at startup (`ensure_schema`); the outbox schema
+    comes from `outbox migrate`.
+    """
+    owned = engine is None
+    db = engine if engine is not None else make_engine(
+        application_name="payments-api", pool_size=10, max_overflow=20)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(ensure_schema, db)
+        yield
+        if owned:
+            db.dispose()
+
+    app = FastAPI(title="Payments example", version="1.0",
+                  description=__doc__, lifespan=lifespan)
+    app.state.engine = db
+    install_problem_handlers(app)
+    guarded = Idempotency(PaymentIn, mode=idempotency_mode)
+
+    @app.post("/payments", status_code=201, response_model=Payment,
+              openapi_extra=guarded.openapi,
+              responses={201: {"description": "Created (or the replay of the first "
+                                              "answer, with `Idempotent-Replayed: true`)"}})
+    def create_payment(
+        request: Annotated[IdempotentRequest[PaymentIn], Depends(guarded)],
+    ) -> Response:
+        body = request.body
+
+        def work(conn: Connection, claim: Claim) -> Response:
+            row = conn.execute(
+                insert(payments)
+                .values(amount=body.amount, currency=body.currency, customer=body.customer,
+                        idempotency_key=claim.key)
+                .returning(*payments.c)).one()
+            enqueue(conn, "psp.charge", {"payment_id": row.id, "amount": row.amount,
+                                         "currency": row.currency},
+                    claim=claim, name="charge")
+            enqueue(conn, "email.receipt", {"payment_id": row.id, "customer": row.customer},
+                    claim=claim, name="receipt")
+            return JSONResponse(_payment_json(row), status_code=201,
+                                headers={"Location": f"/payments/{row.id}"})
+
+        return request.run(work)
+
+    @app.get("/payments/{payment_id}", response_model=Payment,
+             responses={404: problem_openapi("No such payment"),
+                        422: problem_openapi("The id is not an integer in 1..2^63-1")})
+    def get_payment(payment_id: Annotated[int, Path(ge=1, le=MAX_BIGINT)]) -> dict[str, Any]:
+        with db.connect() as conn:
+            row = conn.execute(select(payments).where(payments.c.id == payment_id)).first()
+        if row is None:
+            raise Problem(404, f"payment {payment_id} does not exist", code="not_found")
+        return _payment_json(row)
+
+    def _ingest_one(event: IncomingEvent) -> str:
+        with db.begin() as conn:
+            return ingest(conn, event.source, event.event_id, event.payload,
+                          event.version, event.entity).outcome.value
+
+    def _ingest_batch(events: list[IncomingEvent]) -> list[str]:
+        with db.begin() as conn:
+            return [r.outcome.value for r in ingest_many(conn, events, count_duplicates=True)]
+
+    @app.post("/webhooks/{source}", response_model=Outcome,
+              openapi_extra=_body_schema(WebhookEvent))
+    async def receive_event(source: SourceParam, request: Request) -> dict[str, str]:
+        check_json_media_type(request)
+        event = parse_event(source, await read_body(request))
+        return {"outcome": await run_in_threadpool(_ingest_one, event)}
+
+    @app.post("/webhooks/{source}/batch", response_model=Outcomes,
+              openapi_extra=_body_schema(WebhookEvent, array=True))
+    async def receive_events(source: SourceParam, request: Request) -> dict[str, list[str]]:
+        """Several events in one transaction; repeated ids are folded (one row each)."""
+        check_json_media_type(request)
+        events = parse_event_batch(source, await read_body(request))
+        return {"outcomes": await run_in_threadpool(_ingest_batch, events)}
+
+    @app.get("/healthz", responses={
+        503: problem_openapi("The database does not answer, or is not migrated")})
+    def healthz() -> dict[str, str]:
+        try:
+            with db.connect() as conn:
+                migrated = conn.execute(text(
+                    "SELECT to_regclass('outbox.effects') IS NOT NULL")).scalar_one()
+        except DBAPIError:
+            raise Problem(503, "the database does not answer", code="database_unavailable",
+                          headers={"Retry-After": "5"}) from None
+        if not migrated:
+            raise Problem(503, "the outbox tables are missing: run `outbox migrate`",
+                          code="not_migrated", headers={"Retry-After": "5"})
+        return {"status": "ok"}
+
+    return app
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def serve(host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the service with uvicorn until SIGTERM/SIGINT; SIGTERM exits with status 0.
+
+    uvicorn drains connections (10 s at most), then re-raises the signal it caught;
+    our SIGTERM handler turns that into a normal exit, so `lifespan` cleanup has run.
+    """
+    import uvicorn
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_cleanly)
+    uvicorn.run(create_app(), host=host, port=port, timeout_graceful_shutdown=10,
+                log_level="info")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m examples.payments.app [--host H] [--port P]` (same as `outbox example-api`)."""
+    parser = argparse.ArgumentParser(description="Run the example payments API.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    serve(args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,592 @@
+"""Idempotency-Key for Starlette and FastAPI, with RFC 9457 problem+json errors.
+
+The pieces, smallest first:
+
+* `Idempotency(Model)` is a FastAPI dependency (and a plain async callable for
+  Starlette). Before any database work it validates the `Idempotency-Key` header
+  (400), the tenant scope, the media type (415), the body size (413), the JSON syntax
+  (400: NaN, duplicate members, NUL, lone surrogates, 5,000-digit numbers, deep
+  nesting...) and the body's schema (422). It returns an `IdempotentRequest`.
+* `IdempotentRequest.run(work)` runs `work(conn, claim) -> Response` through
+  `IdempotencyGuard.run` in one transaction and answers with the stored response, or
+  replays the first answer byte for byte with `Idempotent-Replayed: true`; 409 +
+  `Retry-After` while a twin is in flight, 422 when the key was used for another
+  request (method, path, query or body).
+* `install_problem_handlers(app)` renders every HTTP error (ours, FastAPI's
+  validation errors, 404/405, and 500s) as `application/problem+json` with `type`,
+  `title`, `status`, `detail` and, for ours, a machine-readable `code`.
+
+Key syntax (B1-B11): one header, 1-255 printable ASCII characters, case-sensitive,
+no minimum length (short keys only risk the client's own collisions, inside its own
+scope); an sf-string `"abc"` is the same key as the bare token `abc`. Bodies (B17-B27):
+strict UTF-8 JSON, at most `max_body` bytes; a non-JSON media type, another charset or
+any `Content-Encoding` is a 415 (bodies are fingerprinted as parsed, never inflated).
+
+Keys are scoped by tenant only (`tenant_scope`), not by endpoint: the fingerprint
+covers method and path, so the same key sent to another endpoint is a 422, never a
+silent second execution.
+
+Replays contain exactly the headers in `stored_headers` (content-type, location, ...).
+Both the first answer and every replay are built from the stored form, so a retry
+sees what the first caller saw. The first caller's other headers (e.g. Set-Cookie)
+are dropped: they are per-caller and must not be replayed to someone else.
+
+Cap on the cached response (B28): bodies above `max_stored_body` (1 MiB by default)
+are sent to the first caller in full, but the key stores the status and headers with
+a small problem+json body instead (type `.../response_not_stored`, the original
+status and size, `Location` kept) and the header `Idempotent-Replay-Omitted: body`.
+The work is committed either way, so a retry still never executes it twice; it is
+told to fetch the resource instead. Storing a truncated body would replay corrupt
+JSON, and refusing the work would turn a success into an error.
+
+Errors raised by `work` roll the transaction back and are not stored (validation
+failures are never cached); a response `work` returns, 4xx included, is stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Generic, TypeVar, cast
+
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from pydantic import TypeAdapter, ValidationError
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ExceptionHandler
+
+from outbox._canonical import DEFAULT_MAX_BODY, fingerprint, parse_idempotency_key, parse_json_body
+from outbox._idempotency import Claim, IdempotencyGuard, Mode, StoredResponse
+from outbox.errors import (
+    ClaimLost,
+    IdempotencyConflict,
+    InvalidInput,
+    InvalidRequestBody,
+    RequestBodyTooLarge,
+    RequestInProgress,
+)
+
+__all__ = [
+    "DEFAULT_MAX_STORED_BODY",
+    "DEFAULT_STORED_HEADERS",
+    "OMITTED_HEADER",
+    "PROBLEM_MEDIA_TYPE",
+    "REPLAYED_HEADER",
+    "Idempotency",
+    "IdempotentRequest",
+    "InvalidTenant",
+    "Problem",
+    "ProblemResponse",
+    "UnsupportedMediaType",
+    "check_json_media_type",
+    "inline_refs",
+    "install_problem_handlers",
+    "problem_openapi",
+    "problem_response",
+    "problem_type",
+    "read_body",
+    "tenant_scope",
+    "to_response",
+]
+
+M = TypeVar("M")
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+REPLAYED_HEADER = "Idempotent-Replayed"
+OMITTED_HEADER = "Idempotent-Replay-Omitted"
+DEFAULT_MAX_STORED_BODY = 1_048_576
+DEFAULT_STORED_HEADERS: tuple[str, ...] = (
+    "content-type", "content-language", "content-location", "location", "etag",
+    "last-modified", "link", "cache-control",
+)
+# A tag URI (RFC 4151) is absolute without pretending a web page exists at it; clients
+# must not dereference problem types anyway (RFC 9457 §3.1.1). `code` carries the same.
+PROBLEM_TYPE_BASE = "tag:pg-outbox,2025:problem:"
+MAX_TENANT_LENGTH = 200
+
+
+def problem_type(code: str | None) -> str:
+    """The `type` URI for a problem code; `about:blank` for a plain HTTP status."""
+    return f"{PROBLEM_TYPE_BASE}{code}" if code else "about:blank"
+
+
+class UnsupportedMediaType(InvalidInput):
+    """415: the body is not JSON, not UTF-8, or compressed (we never inflate bodies)."""
+
+    status = 415
+    code = "unsupported_media_type"
+
+
+class InvalidTenant(InvalidInput):
+    """400: the tenant header is unusable as a scope (control chars, too long, twice)."""
+
+    code = "invalid_tenant"
+
+
+class ProblemResponse(JSONResponse):
+    """A JSON response with the RFC 9457 media type."""
+
+    media_type = PROBLEM_MEDIA_TYPE
+
+
+def problem_response(status: int, detail: Any = None, *, code: str | None = None,
+                     title: str | None = None, headers: Mapping[str, str] | None = None,
+                     **members: Any) -> Response:
+    """An RFC 9457 body: type, title, status, detail (always present) and extras."""
+    phrase = _phrase(status)
+    if status in (204, 304):  # these carry no body
+        return Response(status_code=status, headers=dict(headers or {}))
+    body: dict[str, Any] = {
+        "type": problem_type(code),
+        "title": title or phrase,
+        "status": status,
+        "detail": phrase if detail is None else detail,
+    }
+    if code:
+        body["code"] = code
+    body.update(members)
+    return ProblemResponse(jsonable_encoder(body), status_code=status, headers=dict(headers or {}))
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+class Problem(HTTPException):
+    """An HTTP error with a problem code; without our handlers it is still `{"detail"}`."""
+
+    def __init__(self, status: int, detail: str, *, code: str | None = None,
+                 title: str | None = None, headers: Mapping[str, str] | None = None,
+                 **members: Any) -> None:
+        super().__init__(status_code=status, detail=detail, headers=headers)
+        self.code = code
+        self.title = title
+        self.members = members
+
+    @classmethod
+    def from_error(cls, exc: InvalidInput | IdempotencyConflict) -> Problem:
+        """Map a library error (each carries `.status` and `.code`) to a Problem."""
+        headers: dict[str, str] = {}
+        if isinstance(exc, RequestInProgress):
+            headers["Retry-After"] = str(exc.retry_after)
+        elif isinstance(exc, ClaimLost):
+            headers["Retry-After"] = "1"
+        elif isinstance(exc, UnsupportedMediaType):
+            headers["Accept-Encoding"] = "identity"
+        return cls(exc.status, str(exc), code=exc.code, headers=headers or None)
+
+    def response(self) -> Response:
+        return problem_response(self.status_code, self.detail, code=self.code,
+                                title=self.title, headers=self.headers, **self.members)
+
+
+# -- exception handlers ---------------------------------------------------------------
+
+
+def _http_exception_handler(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, Problem):
+        return exc.response()
+    assert isinstance(exc, HTTPException)
+    detail: Any = exc.detail
+    return problem_response(exc.status_code, detail, headers=exc.headers)
+
+
+def _validation_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = _plain_errors(exc.errors())
+    return problem_response(422, _summarise(errors), code="validation_error", errors=errors)
+
+
+def _library_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, InvalidInput | IdempotencyConflict)
+    return Problem.from_error(exc).response()
+
+
+def _server_error_handler(request: Request, exc: Exception) -> Response:
+    # Starlette still re-raises the exception after this response, so it gets logged.
+    return problem_response(500, "the server failed to handle this request",
+                            code="internal_error")
+
+
+def install_problem_handlers(app: Any) -> None:
+    """Render every error of a Starlette/FastAPI `app` as problem+json (RFC 9457)."""
+    handlers: dict[type[Exception], ExceptionHandler] = {
+        HTTPException: _http_exception_handler,
+        RequestValidationError: _validation_handler,
+        InvalidInput: _library_error_handler,
+        IdempotencyConflict: _library_error_handler,
+        Exception: _server_error_handler,
+    }
+    for exc_class, handler in handlers.items():
+        app.add_exception_handler(exc_class, handler)
+
+
+def _plain_errors(errors: Iterable[Any]) -> list[dict[str, Any]]:
+    """Pydantic errors without `input`/`ctx`: they may echo huge or unserialisable data."""
+    out: list[dict[str, Any]] = []
+    for err in errors:
+        if isinstance(err, Mapping):
+            out.append({"type": str(err.get("type", "value_error")),
+                        "loc": [p if isinstance(p, int) else str(p) for p in err.get("loc", ())],
+                        "msg": str(err.get("msg", ""))})
+    return out
+
+
+def _summarise(errors: list[dict[str, Any]]) -> str:
+    if not errors:
+        return "the request is invalid"
+    first = errors[0]
+    where = ".".join(str(p) for p in first["loc"])
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first['msg']}{more}" if where else f"{first['msg']}{more}"
+
+
+# -- request parsing ------------------------------------------------------------------
+
+
+def tenant_scope(request: Request) -> str:
+    """Default key scope: the caller's credentials and tenant header, never the endpoint.
+
+    `Authorization` is hashed (tokens never reach the database); `X-Tenant` is used as
+    is (trust it only behind a proxy that sets it). Requests with neither share the
+    `anonymous` scope. Pass your own callable when identity comes from elsewhere.
+    """
+    parts: list[str] = []
+    tenants = request.headers.getlist("x-tenant")
+    if len(tenants) > 1:
+        raise InvalidTenant("send at most one X-Tenant header")
+    if tenants:
+        tenant = tenants[0].strip()
+        if not tenant or len(tenant) > MAX_TENANT_LENGTH or not all(
+                0x20 <= ord(c) <= 0x7E for c in tenant):
+            raise InvalidTenant(
+                f"X-Tenant must be 1-{MAX_TENANT_LENGTH} printable ASCII characters")
+        parts.append(f"tenant:{tenant}")
+    auth = request.headers.getlist("authorization")
+    if auth:
+        digest = hashlib.sha256("\n".join(auth).encode("latin-1")).hexdigest()[:32]
+        parts.append(f"auth:{digest}")
+    return "|".join(parts) or "anonymous"
+
+
+def check_json_media_type(request: Request) -> None:
+    """JSON only, UTF-8 only, no content coding: anything else is a 415 (B27)."""
+    ctype = request.headers.get("content-type")
+    if ctype is not None:
+        media, _, params = ctype.partition(";")
+        media = media.strip().lower()
+        if media != "application/json" and not (
+                media.startswith("application/") and media.endswith("+json")):
+            raise UnsupportedMediaType(f"send application/json, not {media or 'nothing'!r}")
+        for param in params.split(";"):
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "charset" and \
+                    value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+                raise UnsupportedMediaType("JSON bodies must be UTF-8")
+    for coding in request.headers.getlist("content-encoding"):
+        if coding.strip().lower() not in ("", "identity"):
+            raise UnsupportedMediaType("compressed request bodies are not accepted")
+
+
+async def read_body(request: Request, max_bytes: int = DEFAULT_MAX_BODY) -> bytes:
+    """Read at most `max_bytes` (413 beyond), without buffering an oversized body first."""
+    lengths = request.headers.getlist("content-length")
+    if lengths:
+        try:
+            declared = int(lengths[0])
+        except ValueError:
+            raise InvalidRequestBody("Content-Length is not a number") from None
+        if declared > max_bytes:
+            raise RequestBodyTooLarge(f"the body is larger than {max_bytes} bytes")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > max_bytes:
+            raise RequestBodyTooLarge(f"the body is larger than {max_bytes} bytes")
+    raw = bytes(buf)
+    request._body = raw  # later `await request.body()` calls get the same bytes
+    return raw
+
+
+def _request_path(request: Request) -> str:
+    """Path plus the sorted query: part of the fingerprint, so a change is a 422."""
+    query = sorted(request.query_params.multi_items())
+    if not query:
+        return request.url.path
+    return request.url.path + "?" + "&".join(f"{k}={v}" for k, v in query)
+
+
+def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """Inline `$defs` so the schema stands alone inside an OpenAPI operation."""
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any, depth: int = 0) -> Any:
+        if depth > 32:
+            return {}
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs.get(ref.rsplit("/", 1)[-1], {}), depth + 1)
+            return {k: resolve(v, depth) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v, depth) for v in node]
+        return node
+
+    return cast(dict[str, Any], resolve(schema))
+
+
+_PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "title", "status", "detail"],
+    "properties": {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {},
+        "code": {"type": "string"},
+        "errors": {"type": "array", "items": {"type": "object"}},
+    },
+}
+
+
+def problem_openapi(description: str) -> dict[str, Any]:
+    """An OpenAPI response object for a problem+json answer."""
+    return {"description": description,
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": _PROBLEM_SCHEMA}}}
+
+
+# -- the dependency -------------------------------------------------------------------
+
+Work = Callable[[Connection, Claim], "Response | StoredResponse"]
+
+
+class Idempotency(Generic[M]):
+    """FastAPI dependency for a JSON endpoint that requires an `Idempotency-Key`.
+
+    `model` validates the parsed body (a pydantic model, dataclass, TypedDict, or `dict`
+    for any JSON object); schema errors are a 422 with the pydantic `errors`. The
+    engine defaults to `request.app.state.engine`. Use `openapi` as the route's
+    `openapi_extra` so the documented body, header and errors match the behaviour.
+    """
+
+    def __init__(
+        self,
+        model: type[M],
+        *,
+        engine: Engine | Callable[[Request], Engine] | None = None,
+        guard: IdempotencyGuard | None = None,
+        mode: Mode = "atomic",
+        scope: Callable[[Request], str] = tenant_scope,
+        max_body: int = DEFAULT_MAX_BODY,
+        max_stored_body: int = DEFAULT_MAX_STORED_BODY,
+        stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
+        fingerprint_headers: Iterable[str] = (),
+    ) -> None:
+        self.model = model
+        self.adapter: TypeAdapter[M] = TypeAdapter(model)
+        self.engine = engine
+        self.guard = guard or IdempotencyGuard()
+        self.mode: Mode = mode
+        self.scope = scope
+        self.max_body = max_body
+        self.max_stored_body = max_stored_body
+        # Framing headers are recomputed for every answer, never replayed.
+        self.stored_headers = frozenset(h.lower() for h in stored_headers) - {
+            "content-length", "transfer-encoding", "connection"}
+        self.fingerprint_headers = tuple(h.lower() for h in fingerprint_headers)
+
+    async def __call__(self, request: Request) -> IdempotentRequest[M]:
+        """Validate everything a client can get wrong; no database work happens here."""
+        try:
+            key = parse_idempotency_key(request.headers.getlist("idempotency-key"))
+            assert key is not None
+            scope = self.scope(request)
+            check_json_media_type(request)
+            raw = await read_body(request, self.max_body)
+            document = parse_json_body(raw, max_bytes=self.max_body)
+        except InvalidInput as exc:
+            raise Problem.from_error(exc) from None
+        try:
+            body = self.adapter.validate_python(document)
+        except ValidationError as exc:
+            errors = _plain_errors(
+                {**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False))
+            raise Problem(422, _summarise(errors), code="validation_error",
+                          errors=errors) from None
+        headers = {h: ",".join(request.headers.getlist(h)) for h in self.fingerprint_headers}
+        digest = fingerprint(request.method, _request_path(request), document, headers)
+        return IdempotentRequest(key=key, scope=scope, fingerprint=digest, body=body,
+                                 document=document, engine=self._engine(request),
+                                 config=self)
+
+    def _engine(self, request: Request) -> Engine:
+        if isinstance(self.engine, Engine):
+            return self.engine
+        if self.engine is not None:
+            return self.engine(request)
+        engine = getattr(request.app.state, "engine", None)
+        if not isinstance(engine, Engine):
+            raise RuntimeError("set app.state.engine or pass engine= to Idempotency")
+        return engine
+
+    @property
+    def openapi(self) -> dict[str, Any]:
+        """`openapi_extra` for the route: the JSON body, the header and the errors."""
+        schema = inline_refs(self.adapter.json_schema())
+        return {
+            "parameters": [{
+                "name": "Idempotency-Key",
+                "in": "header",
+                "required": True,
+                "description": "Printable ASCII, 1-255 characters, unique per request; "
+                               "a retry sends the same key and gets the same answer.",
+                # Printable ASCII minus '"' and ',' (a bare token, one key).
+                "schema": {"type": "string", "minLength": 1, "maxLength": 255,
+                           "pattern": "^[!#-+\\--~]+$"},
+            }],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": schema}},
+            },
+            "responses": {
+                "400": problem_openapi("Missing or malformed Idempotency-Key, or a body "
+                                       "that is not strict JSON"),
+                "409": problem_openapi("A request with this key is in progress; "
+                                       "retry after `Retry-After` seconds"),
+                "413": problem_openapi(f"The body is larger than {self.max_body} bytes"),
+                "415": problem_openapi("The body is not UTF-8 application/json"),
+                "422": problem_openapi("The body does not match the schema, or the key "
+                                       "was used for a different request"),
+                "503": problem_openapi("The database is unavailable; the outcome is "
+                                       "unknown, retry with the same key"),
+            },
+        }
+
+    # -- responses -------------------------------------------------------------------
+
+    def to_stored(self, response: Response | StoredResponse) -> StoredResponse:
+        """The storable form of what `work` returned: status, kept headers, body."""
+        if isinstance(response, StoredResponse):
+            return StoredResponse(
+                response.status,
+                tuple((k.lower(), v) for k, v in response.headers
+                      if k.lower() in self.stored_headers),
+                response.body)
+        body = getattr(response, "body", None)
+        if not isinstance(body, bytes):
+            raise TypeError("idempotent work must return a Response with a body "
+                            "(not a streaming response) or a StoredResponse")
+        headers = tuple((k, v) for k, v in response.headers.items()
+                        if k in self.stored_headers)
+        return StoredResponse(response.status_code, headers, body)
+
+    def replayable(self, full: StoredResponse) -> StoredResponse:
+        """`full` itself, or the documented stand-in when its body exceeds the cap."""
+        if len(full.body) <= self.max_stored_body:
+            return full
+        note = {
+            "type": problem_type("response_not_stored"),
+            "title": "Response not stored",
+            "status": full.status,
+            "detail": f"the request succeeded with status {full.status}, but its "
+                      f"{len(full.body)}-byte response exceeds the {self.max_stored_body}"
+                      "-byte replay limit; fetch the resource instead",
+            "code": "response_not_stored",
+            "original_status": full.status,
+            "original_size": len(full.body),
+        }
+        headers = tuple((k, v) for k, v in full.headers if k != "content-type")
+        return StoredResponse(
+            full.status,
+            (*headers, ("content-type", PROBLEM_MEDIA_TYPE), (OMITTED_HEADER.lower(), "body")),
+            json.dumps(note, separators=(",", ":")).encode())
+
+
+def to_response(stored: StoredResponse, *, replayed: bool) -> Response:
+    """Build the HTTP response from the stored form (the same bytes every time)."""
+    response = Response(content=stored.body, status_code=stored.status)
+    response.raw_headers.extend(
+        (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in stored.headers)
+    if replayed:
+        response.raw_headers.append((REPLAYED_HEADER.lower().encode(), b"true"))
+    return response
+
+
+def _database_problem(exc: DBAPIError) -> Problem | None:
+    """Transient database failures become retryable answers; anything else stays a 500.
+
+    A lock timeout or an exhausted serialization retry rolled back (409: retry, the
+    key is free). A lost connection may have lost the COMMIT's answer (503: retry with
+    the same key; it resolves to a replay or to one execution).
+    """
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if sqlstate in ("55P03", "40001", "40P01"):
+        return Problem(409, "the request collided with a concurrent one and was rolled "
+                       "back; retry", code="transaction_conflict", headers={"Retry-After": "1"})
+    if isinstance(exc, OperationalError) or exc.connection_invalidated:
+        return Problem(503, "the database is unavailable; the outcome is unknown, retry "
+                       "with the same Idempotency-Key", code="outcome_unknown",
+                       headers={"Retry-After": "1"})
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotentRequest(Generic[M]):
+    """A validated request: its key, scope, fingerprint and typed body."""
+
+    key: str
+    scope: str
+    fingerprint: str
+    body: M
+    document: Any
+    engine: Engine
+    config: Idempotency[M]
+
+    def run(self, work: Work) -> Response:
+        """Run `work(conn, claim)` at most once for this key; blocking (use in `def`).
+
+        `work` writes business rows and `enqueue(conn, ..., claim=claim)` effects and
+        returns the response to store. Raising from `work` rolls everything back and
+        stores nothing.
+        """
+        cfg = self.config
+        sent: list[tuple[StoredResponse, Response | StoredResponse]] = []
+
+        def guarded(conn: Connection, claim: Claim) -> StoredResponse:
+            original = work(conn, claim)
+            full = cfg.to_stored(original)
+            sent[:] = [(full, original)]
+            return cfg.replayable(full)
+
+        try:
+            result = cfg.guard.run(self.engine, self.scope, self.key, self.fingerprint,
+                                   guarded, mode=cfg.mode)
+        except IdempotencyConflict as exc:
+            raise Problem.from_error(exc) from None
+        except DBAPIError as exc:
+            problem = _database_problem(exc)
+            if problem is None:
+                raise
+            raise problem from exc
+        if result.replayed or not sent:
+            return to_response(result.response, replayed=result.replayed)
+        full, original = sent[0]
+        response = to_response(full, replayed=False)
+        if isinstance(original, Response):
+            response.background = original.background  # runs once, after the first answer
+        return response
+
+    async def arun(self, work: Work) -> Response:
+        """`run` in a worker thread, for `async def` endpoints."""
+        return await run_in_threadpool(self.run, work)
