@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 

@@ -228,8 +228,20 @@ def serve(host: str = "127.0.0.1", port: int = 8000) -> None:
     uvicorn drains connections (10 s at most), then re-raises the signal it caught;
     our SIGTERM handler turns that into a normal exit, so `lifespan` cleanup has run.
     """
+    import os
+
     import uvicorn
 
+    from dispatcher.metrics import configure_metrics
+    from outbox.telemetry_setup import configure
+
+    configure("outbox-example-api")
+    configure_metrics("outbox-example-api")
+    if os.environ.get("BROKER_URL"):
+        # With Celery, ring a drain after each commit instead of waiting for the sweep.
+        from dispatcher.celery_app import install_doorbell
+
+        install_doorbell()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(create_app(), host=host, port=port, timeout_graceful_shutdown=10,

@@ -1,0 +1,237 @@
+"""Queue gauges for operators, and the metrics SDK setup for our own processes.
+
+The counters and histograms in `outbox._telemetry` say what the workers did; these
+observable gauges say what the database holds: effects by live status, due rows and the
+age of the oldest one, expired leases, and idempotency claims stuck in `processing`.
+They are read with the same statements as `outbox status` (outbox/sql/), at most once
+per `ttl` seconds per process, however many gauges or readers collect meanwhile.
+
+The values are database-wide, so every worker process reports the same numbers (one
+series per `service.instance.id`): aggregate with `max()`, never `sum()`, in queries.
+
+`configure_metrics()` installs an SDK MeterProvider when `OTEL_METRICS_EXPORTER` is
+`otlp` (to `OTEL_EXPORTER_OTLP_ENDPOINT`, the compose file's collector) or `console`;
+unset or `none`: nothing is installed and every instrument stays a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
+from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+from opentelemetry.sdk.metrics.export import (
+    ConsoleMetricExporter,
+    MetricExporter,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.resources import Resource
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from outbox import _telemetry
+from outbox.sql import effects as fx
+from outbox.sql import keys as kx
+
+log = logging.getLogger("outbox.metrics")
+
+#: Effect statuses reported by `outbox.queue.effects` (the ones an operator acts on;
+#: delivered and cancelled only grow until `outbox purge`).
+GAUGE_STATUSES = ("pending", "in_flight", "failed", "needs_review")
+DEFAULT_TTL = float(os.environ.get("OUTBOX_METRICS_CACHE_SECONDS", "5"))
+#: A `processing` idempotency claim older than this is stale (the guard's default TTL).
+DEFAULT_KEY_TTL = float(os.environ.get("OUTBOX_KEY_TTL", "60"))
+
+#: Seconds, not the SDK's millisecond-shaped default buckets, so p50/p99 mean something.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                    60.0)
+LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
+               3600.0, 21600.0, 86400.0)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSnapshot:
+    """One read of the queue's health (what the gauges report)."""
+
+    effects: dict[str, int]
+    due: int
+    oldest_due_age_seconds: float
+    expired_leases: int
+    stale_processing_keys: int
+    taken_at: float  # monotonic
+
+
+def read_snapshot(engine: Engine, *, key_ttl: float = DEFAULT_KEY_TTL,
+                  taken_at: float | None = None) -> QueueSnapshot:
+    """Query the database once (three short statements on one connection)."""
+    with engine.connect() as conn:
+        counts = fx.count_effects(conn)
+        health = fx.effect_health(conn)
+        keys = kx.count_keys(conn, ttl_seconds=key_ttl)
+    return QueueSnapshot(
+        effects={s: int(counts.get(s, 0)) for s in GAUGE_STATUSES},
+        due=int(health["due"]),
+        oldest_due_age_seconds=float(health["oldest_due_age_seconds"]),
+        expired_leases=int(health["expired_leases"]),
+        stale_processing_keys=int(keys["stale_processing"]),
+        taken_at=time.monotonic() if taken_at is None else taken_at,
+    )
+
+
+class QueueGauges:
+    """Observable gauges over one engine, with a `ttl`-second cache shared by all of them.
+
+    If the database cannot be read, the gauges report nothing for that collection (the
+    series goes stale and `absent()` alerts fire) rather than a stale or made-up value;
+    failures are also cached for `ttl`, so an outage costs one attempt per `ttl`.
+    """
+
+    def __init__(self, engine: Engine, *, ttl: float = DEFAULT_TTL,
+                 key_ttl: float = DEFAULT_KEY_TTL, meter: Meter | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.ttl = ttl
+        self.key_ttl = key_ttl
+        self.clock = clock
+        self.reads = 0  # database reads so far (tests check the cache with it)
+        self._lock = threading.Lock()
+        self._cached: QueueSnapshot | None = None
+        self._failed_at: float | None = None
+        m = meter or _telemetry.meter
+        m.create_observable_gauge(
+            "outbox.queue.effects", callbacks=[self._observe_effects], unit="{effect}",
+            description="Effects by status: pending, in_flight, failed (dead letters), "
+            "needs_review (parked ambiguous outcomes)")
+        m.create_observable_gauge(
+            "outbox.queue.due", callbacks=[self._observe_due], unit="{effect}",
+            description="Pending effects whose available_at has passed")
+        m.create_observable_gauge(
+            "outbox.queue.oldest_due_age", callbacks=[self._observe_oldest], unit="s",
+            description="Age of the oldest due pending effect (0 when none is due)")
+        m.create_observable_gauge(
+            "outbox.queue.expired_leases", callbacks=[self._observe_expired],
+            unit="{effect}",
+            description="In-flight effects whose lease expired (a worker died or stalled)")
+        m.create_observable_gauge(
+            "outbox.idempotency.stale_processing", callbacks=[self._observe_stale],
+            unit="{key}",
+            description="Idempotency keys in processing for longer than the claim TTL")
+
+    def snapshot(self) -> QueueSnapshot | None:
+        """The cached snapshot, refreshed when older than `ttl`; None if unreadable."""
+        with self._lock:
+            now = self.clock()
+            cached = self._cached
+            if cached is not None and now - cached.taken_at < self.ttl:
+                return cached
+            if self._failed_at is not None and now - self._failed_at < self.ttl:
+                return None
+            self.reads += 1
+            try:
+                snap = read_snapshot(self.engine, key_ttl=self.key_ttl, taken_at=now)
+            except SQLAlchemyError as exc:
+                self._cached, self._failed_at = None, now
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                log.warning("queue gauges: cannot read the database: %s", first)
+                return None
+            self._cached, self._failed_at = snap, None
+            return snap
+
+    def _observe_effects(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        if snap is None:
+            return []
+        return [Observation(n, {"status": s}) for s, n in snap.effects.items()]
+
+    def _observe_due(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        return [] if snap is None else [Observation(snap.due)]
+
+    def _observe_oldest(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        return [] if snap is None else [Observation(snap.oldest_due_age_seconds)]
+
+    def _observe_expired(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        return [] if snap is None else [Observation(snap.expired_leases)]
+
+    def _observe_stale(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        return [] if snap is None else [Observation(snap.stale_processing_keys)]
+
+
+_lock = threading.Lock()
+_process_gauges: QueueGauges | None = None
+
+
+def register_queue_gauges(engine: Engine, *, ttl: float = DEFAULT_TTL,
+                          key_ttl: float = DEFAULT_KEY_TTL,
+                          meter_provider: MeterProvider | None = None) -> QueueGauges:
+    """Register the queue gauges, once per process on the global meter.
+
+    The values are database-wide, so a second call (another queue's dispatcher in the
+    same process) returns the gauges already registered. With `meter_provider`, a new
+    set is registered on that provider (tests use their own reader this way).
+    """
+    global _process_gauges
+    if meter_provider is not None:
+        return QueueGauges(engine, ttl=ttl, key_ttl=key_ttl,
+                           meter=meter_provider.get_meter("outbox"))
+    with _lock:
+        if _process_gauges is None:
+            _process_gauges = QueueGauges(engine, ttl=ttl, key_ttl=key_ttl)
+        return _process_gauges
+
+
+def histogram_views() -> list[View]:
+    """Second-scale buckets for our duration and lag histograms."""
+    return [
+        View(instrument_name="outbox.delivery.duration",
+             aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS)),
+        View(instrument_name="outbox.delivery.lag",
+             aggregation=ExplicitBucketHistogramAggregation(LAG_BUCKETS)),
+    ]
+
+
+def configure_metrics(service_name: str) -> bool:
+    """Install a MeterProvider per `OTEL_METRICS_EXPORTER` (otlp|console|none).
+
+    Returns True if this call installed one. Like `outbox.telemetry_setup.configure`
+    for traces: a provider already installed (by the application or a test) is kept.
+    The export interval is the SDK's `OTEL_METRIC_EXPORT_INTERVAL` (default 60 s).
+    """
+    choice = os.environ.get("OTEL_METRICS_EXPORTER", "none").strip().lower()
+    if choice in ("", "none"):
+        return False
+    if isinstance(metrics.get_meter_provider(), SdkMeterProvider):
+        return False
+    exporter: MetricExporter
+    if choice == "console":
+        exporter = ConsoleMetricExporter()
+    elif choice == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+                OTLPMetricExporter,
+            )
+        except ImportError:
+            log.warning("OTEL_METRICS_EXPORTER=otlp needs opentelemetry-exporter-otlp-proto-http")
+            return False
+        exporter = OTLPMetricExporter()
+    else:
+        log.warning("OTEL_METRICS_EXPORTER=%s is not supported here (otlp, console, none)",
+                    choice)
+        return False
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME",
+                                                                service_name)})
+    provider = SdkMeterProvider(resource=resource,
+                                metric_readers=[PeriodicExportingMetricReader(exporter)],
+                                views=histogram_views())
+    metrics.set_meter_provider(provider)
+    return True

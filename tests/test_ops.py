@@ -1,0 +1,554 @@
+"""Offline checks of the operations artefacts: docker-compose.yml, the Dockerfile, the
+collector and Prometheus configuration, the alert rules, the Grafana dashboard and the
+runbook. No Docker engine, Prometheus or Grafana is needed.
+
+The metric names the dashboard and the alerts may use are derived from the code
+(outbox/_telemetry.py, dispatcher/metrics.py) with the collector's Prometheus naming
+rules, so a renamed instrument breaks this test rather than a dashboard in production.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dispatcher.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+OPS = ROOT / "ops"
+COMPOSE = ROOT / "docker-compose.yml"
+DASHBOARD = OPS / "grafana" / "outbox-dashboard.json"
+ALERTS = OPS / "prometheus" / "alerts.yml"
+RUNBOOK = OPS / "runbook.md"
+
+#: The process commands of DESIGN.md §8 (external acceptance tests start them so).
+DOCUMENTED_COMMANDS = (
+    "outbox migrate",
+    "outbox example-api",
+    "celery -A dispatcher.celery_app worker",
+    "celery -A dispatcher.celery_app beat",
+    "python -m examples.payments.psp",
+)
+#: Alerts the runbook promises (each has a section there).
+REQUIRED_ALERTS = {
+    "OutboxOldestDueAgeHigh", "OutboxDeadLettersGrowing", "OutboxLeaseLostSpike",
+    "OutboxStaleProcessingKeys", "OutboxNeedsReview", "OutboxNoDeliveriesWhileDue",
+}
+
+
+def load_yaml(path: Path) -> Any:
+    """PyYAML if installed, else ruamel.yaml (a dependency of check-jsonschema)."""
+    text = path.read_text()
+    try:
+        import yaml
+    except ImportError:
+        from ruamel.yaml import YAML
+
+        return YAML(typ="safe", pure=True).load(text)
+    return yaml.safe_load(text)
+
+
+def _tool(name: str) -> str | None:
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+# --------------------------------------------------------------------------- metric names
+
+_UNITS = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds",
+          "min": "minutes", "h": "hours", "d": "days", "By": "bytes", "%": "percent"}
+_COUNTERS = {"create_counter", "create_observable_counter"}
+_HISTOGRAMS = {"create_histogram"}
+_INSTRUMENTS = _COUNTERS | _HISTOGRAMS | {
+    "create_up_down_counter", "create_observable_up_down_counter",
+    "create_observable_gauge", "create_gauge"}
+
+
+def prometheus_name(name: str, unit: str, factory: str) -> str:
+    """The collector's prometheus exporter naming (UnderscoreEscapingWithSuffixes)."""
+    base = re.sub(r"_+", "_", re.sub(r"[^a-zA-Z0-9]", "_", name)).strip("_")
+    if unit and not unit.startswith("{"):
+        suffix = "ratio" if unit == "1" else _UNITS.get(unit, re.sub(r"\W", "", unit))
+        if unit == "1" and factory not in ("create_observable_gauge", "create_gauge"):
+            suffix = ""
+        if suffix and not base.endswith("_" + suffix):
+            base += "_" + suffix
+    if factory in _COUNTERS:
+        base += "_total"
+    return base
+
+
+@cache
+def emitted_instruments() -> dict[str, tuple[str, str]]:
+    """{otel name: (factory, unit)} for every instrument our code creates."""
+    found: dict[str, tuple[str, str]] = {}
+    for source in (ROOT / "outbox" / "_telemetry.py", ROOT / "dispatcher" / "metrics.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in _INSTRUMENTS):
+                continue
+            first = node.args[0] if node.args else None
+            assert isinstance(first, ast.Constant) and isinstance(first.value, str), (
+                f"{source.name}:{node.lineno}: instrument names must be literals")
+            unit = next((k.value.value for k in node.keywords if k.arg == "unit"
+                         and isinstance(k.value, ast.Constant)), "")
+            found[first.value] = (node.func.attr, str(unit))
+    return found
+
+
+@cache
+def emitted_metric_names() -> dict[str, str]:
+    """{prometheus series name: otel name}, histograms with _bucket/_sum/_count."""
+    names: dict[str, str] = {}
+    for otel, (factory, unit) in emitted_instruments().items():
+        base = prometheus_name(otel, unit, factory)
+        if factory in _HISTOGRAMS:
+            for suffix in ("_bucket", "_sum", "_count"):
+                names[base + suffix] = otel
+        else:
+            names[base] = otel
+    return names
+
+
+def test_metric_names_derived_from_the_code() -> None:
+    names = emitted_metric_names()
+    # Spot checks of the translation against the collector's documented behaviour.
+    assert names["outbox_deliveries_total"] == "outbox.deliveries"
+    assert names["outbox_delivery_lag_seconds_bucket"] == "outbox.delivery.lag"
+    assert names["outbox_delivery_duration_seconds_count"] == "outbox.delivery.duration"
+    assert names["outbox_idempotency_requests_total"] == "outbox.idempotency.requests"
+    assert names["outbox_queue_oldest_due_age_seconds"] == "outbox.queue.oldest_due_age"
+    assert names["outbox_queue_effects"] == "outbox.queue.effects"  # {effect}: dropped
+    gauges = {o for o, (f, _) in emitted_instruments().items()
+              if f == "create_observable_gauge"}
+    assert gauges == {"outbox.queue.effects", "outbox.queue.due",
+                      "outbox.queue.oldest_due_age", "outbox.queue.expired_leases",
+                      "outbox.idempotency.stale_processing"}
+
+
+_METRIC = re.compile(r"\b(outbox_[a-zA-Z0-9_]+)")
+
+
+def metrics_in(expr: str) -> set[str]:
+    return set(_METRIC.findall(expr))
+
+
+def promql_checkable(expr: str) -> str:
+    """Grafana's variables replaced, so a PromQL parser accepts the expression."""
+    return (expr.replace("$__rate_interval", "5m").replace("$__interval", "1m")
+            .replace("$kind", ".*"))
+
+
+# --------------------------------------------------------------------------- compose
+
+
+@cache
+def compose() -> dict[str, Any]:
+    doc = load_yaml(COMPOSE)
+    assert isinstance(doc, dict)
+    return doc
+
+
+def services() -> dict[str, dict[str, Any]]:
+    return dict(compose()["services"])
+
+
+def app_services() -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in services().items() if "build" in s}
+
+
+def command_of(service: dict[str, Any]) -> list[str]:
+    cmd = service["command"]
+    return list(cmd) if isinstance(cmd, list) else shlex.split(cmd)
+
+
+def test_compose_matches_the_compose_spec_schema() -> None:
+    tool = _tool("check-jsonschema")
+    assert tool, "check-jsonschema is missing: pip install -e '.[test]'"
+    proc = subprocess.run([tool, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_schema_check_rejects_a_broken_file(tmp_path: Path) -> None:
+    """The validator really validates: a typo and a bad condition are refused."""
+    tool = _tool("check-jsonschema")
+    assert tool, "check-jsonschema is missing: pip install -e '.[test]'"
+    broken = COMPOSE.read_text().replace("healthcheck:", "helthcheck:", 1).replace(
+        "condition: service_healthy", "condition: service_happy", 1)
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(broken)
+    proc = subprocess.run([tool, "--builtin-schema", "vendor.compose-spec", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "helthcheck" in proc.stdout + proc.stderr
+
+
+def test_compose_has_every_service_of_the_system() -> None:
+    assert {"postgres", "redis", "migrate", "api", "worker", "beat", "psp",
+            "otel-collector", "jaeger"} <= set(services())
+    assert services()["postgres"]["image"].split(":")[1].startswith("15")
+    assert set(app_services()) == {"migrate", "api", "worker", "beat", "psp"}
+
+
+def test_depends_on_targets_exist_and_conditions_hold() -> None:
+    svcs = services()
+    for name, svc in svcs.items():
+        deps = svc.get("depends_on") or {}
+        if isinstance(deps, list):
+            deps = {d: {"condition": "service_started"} for d in deps}
+        for target, spec in deps.items():
+            assert target in svcs, f"{name} depends on undefined service {target!r}"
+            assert target != name
+            condition = spec.get("condition", "service_started")
+            if condition == "service_healthy":
+                assert "healthcheck" in svcs[target], (
+                    f"{name} waits for {target} to be healthy, but it has no healthcheck")
+            if condition == "service_completed_successfully":
+                assert svcs[target].get("restart") == "no", (
+                    f"{target} is a one-shot for {name}; it must not restart")
+            # A default service must not depend on one that only runs in a profile.
+            if not svc.get("profiles"):
+                assert not svcs[target].get("profiles"), (
+                    f"{name} depends on {target}, which only runs with a profile")
+    # No cycles.
+    seen: dict[str, int] = {}
+
+    def visit(n: str) -> None:
+        assert seen.get(n) != 1, f"depends_on cycle through {n}"
+        if seen.get(n) == 2:
+            return
+        seen[n] = 1
+        for d in svcs[n].get("depends_on") or {}:
+            visit(d)
+        seen[n] = 2
+
+    for n in svcs:
+        visit(n)
+
+
+def test_long_running_services_have_healthchecks() -> None:
+    for name in ("postgres", "redis", "api", "worker", "psp"):
+        check = services()[name].get("healthcheck")
+        assert check and check.get("test"), f"{name} has no healthcheck"
+    deps = services()["worker"]["depends_on"]
+    assert deps["migrate"]["condition"] == "service_completed_successfully"
+    assert deps["redis"]["condition"] == "service_healthy"
+    assert services()["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+
+
+def test_app_services_run_documented_commands() -> None:
+    for name, svc in app_services().items():
+        line = " ".join(command_of(svc))
+        assert any(line == c or line.startswith(c + " ") for c in DOCUMENTED_COMMANDS), (
+            f"{name}: {line!r} is not one of our documented commands")
+    expected = {
+        "migrate": "outbox migrate",
+        "api": "outbox example-api --host 0.0.0.0 --port 8000",
+        "worker": "celery -A dispatcher.celery_app worker --pool prefork -c 2",
+        "beat": "celery -A dispatcher.celery_app beat",
+        "psp": "python -m examples.payments.psp --host 0.0.0.0 --port 8081",
+    }
+    assert {n: " ".join(command_of(s)) for n, s in app_services().items()} == expected
+
+
+def test_outbox_commands_parse_with_our_cli() -> None:
+    parser = build_parser()
+    for name, svc in app_services().items():
+        cmd = command_of(svc)
+        if cmd[0] == "outbox":
+            args = parser.parse_args(cmd[1:])
+            assert args.fn.__name__ == "cmd_" + cmd[1].replace("-", "_"), name
+
+
+def test_psp_and_celery_commands_resolve() -> None:
+    out = subprocess.run([sys.executable, "-m", "examples.payments.psp", "--help"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "--host" in out.stdout and "--port" in out.stdout
+    cmd = command_of(services()["worker"])
+    module = cmd[cmd.index("-A") + 1]
+    assert module == "dispatcher.celery_app"
+    assert (ROOT / "dispatcher" / "celery_app.py").exists()
+    source = (ROOT / "dispatcher" / "celery_app.py").read_text()
+    assert re.search(r"^app = Celery\(", source, re.M), "celery -A needs a module-level app"
+
+
+def test_app_services_build_from_the_root_dockerfile() -> None:
+    for name, svc in app_services().items():
+        build = svc["build"]
+        context = build if isinstance(build, str) else build.get("context", ".")
+        dockerfile = "Dockerfile" if isinstance(build, str) else build.get(
+            "dockerfile", "Dockerfile")
+        assert (ROOT / context).resolve() == ROOT, name
+        assert dockerfile == "Dockerfile", name
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\s*$", text, re.M)
+    assert re.search(r"pip install .*\.\s*(\\|&&|$)", text, re.M), "the image must pip install ."
+    copied = set(re.findall(r"^COPY (\S+) ", text, re.M))
+    # Every package pyproject ships must be in the image.
+    for top in ("outbox", "dispatcher", "examples", "migrations", "pyproject.toml"):
+        assert any(top in c.split() or c == top for c in copied), f"{top} not copied"
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for needed in ("outbox", "dispatcher", "examples", "migrations", "pyproject.toml",
+                   "README.md"):
+        assert needed not in ignored, f".dockerignore drops {needed}"
+    assert ".venv" in ignored and ".git" in ignored
+
+
+def test_app_environment_points_at_the_services() -> None:
+    svcs = services()
+    pg = svcs["postgres"]["environment"]
+    for name in ("migrate", "api", "worker", "beat"):
+        env = svcs[name]["environment"]
+        assert env["DATABASE_URL"] == (
+            f"postgresql://{pg['POSTGRES_USER']}:{pg['POSTGRES_PASSWORD']}"
+            f"@postgres:5432/{pg['POSTGRES_DB']}"), name
+        assert env["BROKER_URL"].startswith("redis://redis:6379/"), name
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318", name
+        assert env["OTEL_TRACES_EXPORTER"] == env["OTEL_METRICS_EXPORTER"] == "otlp", name
+        assert env["OTEL_SERVICE_NAME"].startswith("outbox-"), name
+    psp_cmd = command_of(svcs["psp"])
+    psp_port = psp_cmd[psp_cmd.index("--port") + 1]
+    for name in ("api", "worker"):
+        assert svcs[name]["environment"]["PSP_URL"] == f"http://psp:{psp_port}"
+    names = {svcs[n]["environment"]["OTEL_SERVICE_NAME"]
+             for n in ("migrate", "api", "worker", "beat")}
+    assert len(names) == 4
+
+
+def test_mounted_files_exist() -> None:
+    for name, svc in services().items():
+        for volume in svc.get("volumes") or []:
+            source = volume.split(":")[0] if isinstance(volume, str) else volume["source"]
+            if source.startswith("."):
+                assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+
+
+# --------------------------------------------------------------------------- collector
+
+
+def test_collector_pipelines_and_endpoints() -> None:
+    cfg = load_yaml(OPS / "otel-collector.yaml")
+    for kind in ("receivers", "processors", "exporters"):
+        for pipeline in cfg["service"]["pipelines"].values():
+            for component in pipeline.get(kind, []):
+                assert component in cfg[kind], f"{component} is not defined in {kind}"
+    for ext in cfg["service"].get("extensions", []):
+        assert ext in cfg["extensions"]
+    pipelines = cfg["service"]["pipelines"]
+    assert "prometheus" in pipelines["metrics"]["exporters"]
+    assert any(e.startswith("otlp") for e in pipelines["traces"]["exporters"])
+    protocols = cfg["receivers"]["otlp"]["protocols"]
+    assert protocols["http"]["endpoint"].endswith(":4318")
+    assert protocols["grpc"]["endpoint"].endswith(":4317")
+    # Traces go to the compose service jaeger; Prometheus scrapes the exporter's port.
+    jaeger = cfg["exporters"]["otlp/jaeger"]["endpoint"]
+    assert jaeger.split(":")[0] in services()
+    port = cfg["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1]
+    prom = load_yaml(OPS / "prometheus" / "prometheus.yml")
+    targets = [t for job in prom["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]]
+    assert f"otel-collector:{port}" in targets
+    assert "/etc/prometheus/alerts.yml" in prom["rule_files"]
+
+
+# --------------------------------------------------------------------------- alerts
+
+
+_DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
+
+
+@cache
+def alert_rules() -> list[dict[str, Any]]:
+    doc = load_yaml(ALERTS)
+    assert isinstance(doc, dict) and set(doc) == {"groups"}
+    rules: list[dict[str, Any]] = []
+    for group in doc["groups"]:
+        assert isinstance(group["name"], str) and group["name"]
+        assert group["rules"], f"group {group['name']} has no rules"
+        rules.extend(group["rules"])
+    return rules
+
+
+def runbook_anchors() -> set[str]:
+    """GitHub-style anchors of the runbook's headings."""
+    anchors = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", RUNBOOK.read_text(), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(slug)
+    return anchors
+
+
+def test_alert_rules_structure() -> None:
+    rules = alert_rules()
+    names = [r["alert"] for r in rules]
+    assert len(names) == len(set(names)), "duplicate alert names"
+    assert set(names) >= REQUIRED_ALERTS
+    anchors = runbook_anchors()
+    allowed_keys = {"alert", "expr", "for", "keep_firing_for", "labels", "annotations"}
+    for rule in rules:
+        name = rule["alert"]
+        assert set(rule) <= allowed_keys, f"{name}: unknown keys {set(rule) - allowed_keys}"
+        assert re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name)
+        assert isinstance(rule["expr"], str) and rule["expr"].strip()
+        assert rule["expr"].count("(") == rule["expr"].count(")"), name
+        assert _DURATION.match(str(rule.get("for", "0s"))), f"{name}: bad for"
+        assert rule["labels"]["severity"] in ("warning", "critical"), name
+        notes = rule["annotations"]
+        assert notes["summary"] and notes["description"], name
+        url = notes["runbook_url"]
+        assert url.startswith("ops/runbook.md#"), name
+        assert url.split("#", 1)[1] in anchors, f"{name}: runbook has no section {url}"
+
+
+def test_alerts_use_only_metrics_our_code_emits() -> None:
+    known = emitted_metric_names()
+    for rule in alert_rules():
+        used = metrics_in(rule["expr"])
+        assert used, f"{rule['alert']} uses none of our metrics"
+        assert used <= set(known), f"{rule['alert']}: unknown {used - set(known)}"
+    # Gauges are reported by every worker process alike: max(), never sum().
+    gauge_names = {n for n, o in known.items()
+                   if emitted_instruments()[o][0] == "create_observable_gauge"}
+    for rule in alert_rules():
+        for name in metrics_in(rule["expr"]) & gauge_names:
+            assert not re.search(r"sum\s*(by\s*\([^)]*\)\s*)?\(\s*" + name, rule["expr"]), (
+                f"{rule['alert']} sums the gauge {name}")
+
+
+def test_alert_rules_pass_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (the structural checks above still ran)")
+    proc = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def all_exprs() -> Iterator[tuple[str, str]]:
+    for rule in alert_rules():
+        yield rule["alert"], rule["expr"]
+    yield from dashboard_exprs()
+
+
+def test_every_expression_parses_as_promql() -> None:
+    parser = pytest.importorskip("promql_parser", reason="pip install promql-parser to "
+                                 "parse the PromQL of alerts and panels")
+    for where, expr in all_exprs():
+        try:
+            parser.parse(promql_checkable(expr))
+        except Exception as exc:  # the parser raises plain ValueError-like errors
+            pytest.fail(f"{where}: {expr!r} does not parse: {exc}")
+
+
+# --------------------------------------------------------------------------- dashboard
+
+
+@cache
+def dashboard() -> dict[str, Any]:
+    doc = json.loads(DASHBOARD.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def panels() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for panel in dashboard()["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))
+    return out
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in panels() for t in p.get("targets", [])]
+
+
+def test_dashboard_is_a_grafana_dashboard() -> None:
+    d = dashboard()
+    assert d["uid"] and d["title"] and isinstance(d["schemaVersion"], int)
+    ids = [p["id"] for p in panels()]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for p in panels():
+        grid = p["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, p["title"]
+        if p["type"] == "row":
+            continue
+        assert p["type"] in ("timeseries", "stat", "gauge", "bargauge", "table"), p["title"]
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["targets"], f"{p['title']} has no queries"
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)), p["title"]
+        for t in p["targets"]:
+            for var in re.findall(r"\$(\w+)", t["expr"]):
+                assert var.startswith("__") or var in variables, f"{p['title']}: ${var}"
+
+
+def test_dashboard_uses_only_metrics_our_code_emits() -> None:
+    known = emitted_metric_names()
+    used: set[str] = set()
+    for title, expr in dashboard_exprs():
+        names = metrics_in(expr)
+        assert names, f"panel {title!r} queries none of our metrics"
+        assert names <= set(known), f"panel {title!r}: unknown {names - set(known)}"
+        used |= names
+    for var in dashboard()["templating"]["list"]:
+        query = var.get("definition") or ""
+        assert metrics_in(query) <= set(known), var["name"]
+    # And the other way round: every instrument we emit is on the dashboard.
+    shown = {known[n] for n in used}
+    assert shown == set(emitted_instruments()), (
+        f"not on the dashboard: {set(emitted_instruments()) - shown}")
+
+
+def test_dashboard_shows_what_operators_asked_for() -> None:
+    exprs = " ".join(e for _, e in dashboard_exprs())
+    for needle in ("sum by (outcome) (rate(outbox_deliveries_total",
+                   "histogram_quantile(0.5, sum by (le) (rate(outbox_delivery_lag_seconds_bucket",
+                   "histogram_quantile(0.99, sum by (le) (rate(outbox_delivery_lag_seconds_bucket",
+                   'outbox_queue_effects{status="pending"}',
+                   'outbox_queue_effects{status="in_flight"}',
+                   'outbox_queue_effects{status="failed"}',
+                   "outbox_queue_oldest_due_age_seconds",
+                   'outbox_idempotency_requests_total{outcome="in_progress"}',  # 409
+                   'outbox_idempotency_requests_total{outcome="mismatch"}',     # 422
+                   'outbox_idempotency_requests_total{outcome="replayed"}',
+                   'outbox_deliveries_total{outcome="lease_lost"}'):
+        assert needle in exprs, needle
+
+
+# --------------------------------------------------------------------------- runbook
+
+
+def test_runbook_covers_every_alert_with_look_and_repair() -> None:
+    text = RUNBOOK.read_text()
+    sections = dict(re.findall(r"^## (\w+)\n(.*?)(?=^## |\Z)", text, re.M | re.S))
+    covered = {a for a in (r["alert"] for r in alert_rules())
+               if a in sections or a.replace("Critical", "High") in sections}
+    assert covered == {r["alert"] for r in alert_rules()}
+    for name, body in sections.items():
+        for part in ("**Meaning.**", "**How to look.**", "**How to repair.**",
+                     "**Safe / not safe.**"):
+            assert part in body, f"runbook section {name} lacks {part}"
+    # Every `outbox <command>` the runbook tells an operator to run exists.
+    choices = {name for action in build_parser()._actions
+               if isinstance(action, argparse._SubParsersAction) for name in action.choices}
+    for command in set(re.findall(r"`outbox ([a-z][a-z-]*)", text)):
+        assert command in choices, f"runbook mentions unknown command: outbox {command}"
+    for command in ("status", "trace", "retry", "cancel"):
+        assert f"`outbox {command}" in text
