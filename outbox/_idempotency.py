@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -87,6 +88,21 @@ def advisory_lock_id(scope: str, key: str) -> int:
     """A signed 64-bit lock id; a collision only makes two keys wait on each other."""
     digest = hashlib.sha256(f"{scope}\x00{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+@contextmanager
+def _read_committed(engine: Engine) -> Iterator[Connection]:
+    """A short transaction of its own at READ COMMITTED, whatever the engine's level.
+
+    The phased claim and release run here: at REPEATABLE READ or SERIALIZABLE an
+    ON CONFLICT against a twin's claim committed after our snapshot raises 40001 (a
+    500) instead of answering 409. (A connection-level option, so it overrides an
+    engine-level `isolation_level`; it is reset when the connection goes back.)
+    """
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="READ COMMITTED")
+        with conn.begin():
+            yield conn
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -200,7 +216,7 @@ class IdempotencyGuard:
         """Phased mode: commit a `processing` claim in its own short transaction."""
         token = uuid.uuid4()
         try:
-            with engine.begin() as conn:
+            with _read_committed(engine) as conn:
                 sql.set_local_lock_timeout(conn, self.lock_timeout_ms)
                 if not sql.try_lock_key(conn, advisory_lock_id(scope, key)):
                     idempotency_requests.add(1, {"outcome": "in_progress"})
@@ -230,7 +246,7 @@ class IdempotencyGuard:
         """Drop our claim after a failure so the client's retry runs at once."""
         if claim.mode != "phased":
             return False
-        with engine.begin() as conn:
+        with _read_committed(engine) as conn:
             released = sql.release_key(conn, scope=claim.scope, key=claim.key,
                                        token=claim.token)
         if released:

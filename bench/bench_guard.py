@@ -1,0 +1,360 @@
+#!/usr/bin/env python3
+"""Idempotency guard benchmark: prints ONE JSON line on stdout (progress on stderr).
+
+    .venv/bin/python bench/bench_guard.py                       # about 50-70 s
+    .venv/bin/python bench/bench_guard.py --seconds 2 --trials 50   # quick look
+
+Parts, all on the same database and the same engine:
+
+1. Throughput, C threads (--concurrency, default 8) each looping one request with a
+   fresh key, interleaved in 3 rounds so that drift on a shared machine hits all alike:
+     a_bare    BEGIN; INSERT one order row; COMMIT
+     b_atomic  fingerprint + guard.run(mode="atomic"): advisory lock, key read, the
+               order row, 2 outbox rows (enqueue_many), the completed key: 1 commit
+     c_phased  fingerprint + guard.run(mode="phased"): the claim commits first, then
+               order row + 2 outbox rows + completion: 2 commits
+   Per variant: requests/s, latency p50/p99 (ms), commits per request (counted by an
+   engine `commit` listener). Ratios b/a and c/a of requests/s (and of p50).
+2. Same-key storm: --storm-size (100) requests on ONE key released together by a
+   barrier, --storm-rounds (5) rounds per mode: latency p50/p99/max and the mix
+   (201 executed / 409 in progress / replay). The engine has --pool (50) connections,
+   opened up front and held for the run: beyond that, requests queue for one, as
+   they would in an application.
+3. F01 trial counter: --trials (200) trials per mode of 50 concurrent requests with one
+   key: executions per key (business rows per key, read back from the database; max
+   must be 1, min must be 1) and the counts of 201 / 409 / replay. The exit status is 1
+   if any key executed other than once.
+
+Database: $DATABASE_URL or the embedded server (outbox._config.database_url()),
+migrated with outbox._migrate.upgrade. Everything this run writes is tagged with a run
+id (its own business table, key scopes `bench:<run>:*`, queue `bench-<run>` that no
+dispatcher serves) and deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from sqlalchemy import Connection, Engine, event, text  # noqa: E402
+from sqlalchemy.exc import OperationalError  # noqa: E402
+
+from outbox import (  # noqa: E402
+    Claim,
+    Effect,
+    IdempotencyGuard,
+    Result,
+    StoredResponse,
+    enqueue_many,
+    fingerprint,
+    make_engine,
+)
+from outbox._config import database_url  # noqa: E402
+from outbox._idempotency import Mode  # noqa: E402
+from outbox._migrate import upgrade  # noqa: E402
+from outbox.errors import RequestInProgress  # noqa: E402
+
+MODES: tuple[Mode, ...] = ("atomic", "phased")
+BODY = {"amount": 42, "currency": "EUR", "customer": "bench"}
+
+
+def log(msg: str) -> None:
+    print(f"[bench-guard {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: Sequence[float], p: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100.0
+    f = int(k)
+    c = min(f + 1, len(s) - 1)
+    return s[f] + (s[c] - s[f]) * (k - f)
+
+
+def ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000.0, 3)
+
+
+class Bench:
+    def __init__(self, engine: Engine, run_id: str) -> None:
+        self.engine = engine
+        self.run = run_id
+        self.table = f"bench_guard_orders_{run_id}"
+        self.queue = f"bench-{run_id}"
+        self.guard = IdempotencyGuard()
+        self._commits = 0
+        self._lock = threading.Lock()
+        self._insert = text(
+            f"INSERT INTO {self.table} (key, amount) VALUES (:k, :a) RETURNING id")
+        event.listen(engine, "commit", self._on_commit)
+
+    # -- bookkeeping -----------------------------------------------------------------
+
+    def _on_commit(self, _conn: Connection) -> None:
+        with self._lock:
+            self._commits += 1
+
+    def commits(self) -> int:
+        with self._lock:
+            return self._commits
+
+    def setup(self) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(text(
+                f"CREATE TABLE {self.table} (id bigserial PRIMARY KEY, key text NOT NULL,"
+                " amount int NOT NULL, created_at timestamptz NOT NULL DEFAULT now())"))
+
+    def cleanup(self) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE IF EXISTS {self.table}"))
+            conn.execute(text("DELETE FROM outbox.effects WHERE queue = :q"), {"q": self.queue})
+            conn.execute(text("DELETE FROM outbox.idempotency_keys WHERE scope LIKE :s"),
+                         {"s": f"bench:{self.run}:%"})
+
+    # -- the three request shapes ----------------------------------------------------
+
+    def bare(self, key: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(self._insert, {"k": key, "a": 42}).scalar_one()
+
+    def work(self, key: str) -> Callable[[Connection, Claim], StoredResponse]:
+        def handler(conn: Connection, claim: Claim) -> StoredResponse:
+            order_id = conn.execute(self._insert, {"k": key, "a": 42}).scalar_one()
+            enqueue_many(conn, [
+                Effect("bench.charge", {"order_id": order_id, "amount": 42},
+                       queue=self.queue),
+                Effect("bench.receipt", {"order_id": order_id}, queue=self.queue),
+            ], claim=claim)
+            body = json.dumps({"id": order_id, "amount": 42, "status": "created"}).encode()
+            return StoredResponse(201, (("content-type", "application/json"),), body)
+        return handler
+
+    def guarded(self, scope: str, key: str, mode: Mode) -> Result:
+        fp = fingerprint("POST", "/orders", BODY)
+        return self.guard.run(self.engine, scope, key, fp, self.work(key), mode=mode)
+
+    # -- part 1: throughput ----------------------------------------------------------
+
+    def _loop(self, variant: str, seconds: float, threads: int) -> tuple[int, list[float]]:
+        stop = time.perf_counter() + seconds
+        latencies: list[list[float]] = [[] for _ in range(threads)]
+        scope = f"bench:{self.run}:{variant}"
+
+        def worker(slot: int) -> None:
+            mine = latencies[slot]
+            while time.perf_counter() < stop:
+                key = uuid.uuid4().hex
+                started = time.perf_counter()
+                if variant == "a_bare":
+                    self.bare(key)
+                else:
+                    self.guarded(scope, key, "atomic" if variant == "b_atomic" else "phased")
+                mine.append(time.perf_counter() - started)
+
+        with ThreadPoolExecutor(threads) as pool:
+            for f in [pool.submit(worker, i) for i in range(threads)]:
+                f.result()
+        flat = [x for lane in latencies for x in lane]
+        return len(flat), flat
+
+    def throughput(self, seconds: float, threads: int) -> dict[str, Any]:
+        variants = ("a_bare", "b_atomic", "c_phased")
+        for variant in variants:  # warm the pool, the plans and the caches
+            self._loop(variant, 0.3, threads)
+        rounds = 3
+        done: dict[str, list[float]] = {v: [] for v in variants}
+        elapsed: dict[str, float] = dict.fromkeys(variants, 0.0)
+        commits: dict[str, int] = dict.fromkeys(variants, 0)
+        for r in range(rounds):
+            order = variants[r:] + variants[:r]  # rotate who goes first
+            for variant in order:
+                c0, t0 = self.commits(), time.perf_counter()
+                _, lat = self._loop(variant, seconds / rounds, threads)
+                elapsed[variant] += time.perf_counter() - t0
+                commits[variant] += self.commits() - c0
+                done[variant].extend(lat)
+            log(f"throughput round {r + 1}/{rounds} done")
+        out: dict[str, Any] = {}
+        for variant in variants:
+            n = len(done[variant])
+            out[variant] = {
+                "requests": n,
+                "rps": round(n / elapsed[variant], 1),
+                "p50_ms": ms(pct(done[variant], 50)),
+                "p99_ms": ms(pct(done[variant], 99)),
+                "commits_per_request": round(commits[variant] / n, 3) if n else None,
+            }
+        return out
+
+    # -- parts 2 and 3: same-key storms ----------------------------------------------
+
+    def _storm(self, pool: ThreadPoolExecutor, scope: str, key: str, mode: Mode,
+               size: int) -> list[tuple[str, float]]:
+        barrier = threading.Barrier(size)
+
+        def one() -> tuple[str, float]:
+            barrier.wait(timeout=60)
+            started = time.perf_counter()
+            try:
+                result = self.guarded(scope, key, mode)
+                outcome = "replay" if result.replayed else str(result.response.status)
+            except RequestInProgress as exc:
+                outcome = str(exc.status)
+            return outcome, time.perf_counter() - started
+
+        return [f.result(timeout=120) for f in [pool.submit(one) for _ in range(size)]]
+
+    def storm(self, size: int, rounds: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"size": size, "rounds": rounds}
+        with ThreadPoolExecutor(size) as pool:
+            for mode in MODES:
+                scope = f"bench:{self.run}:storm-{mode}"
+                outcomes: list[tuple[str, float]] = []
+                for r in range(rounds):
+                    outcomes += self._storm(pool, scope, f"storm-{r}", mode, size)
+                lat = [t for _, t in outcomes]
+                losers = [t for o, t in outcomes if o != "201"]
+                out[mode] = {
+                    "requests": len(outcomes),
+                    "p50_ms": ms(pct(lat, 50)),
+                    "p99_ms": ms(pct(lat, 99)),
+                    "max_ms": ms(max(lat)),
+                    "losers_p99_ms": ms(pct(losers, 99)),
+                    "mix": dict(Counter(o for o, _ in outcomes)),
+                }
+                log(f"storm {mode}: {out[mode]['mix']}")
+        return out
+
+    def f01(self, trials: int, size: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"trials_per_mode": trials, "concurrency": size}
+        with ThreadPoolExecutor(size) as pool:
+            for mode in MODES:
+                scope = f"bench:{self.run}:f01-{mode}"
+                mix: Counter[str] = Counter()
+                started = time.perf_counter()
+                for trial in range(trials):
+                    mix.update(o for o, _ in
+                               self._storm(pool, scope, f"f01-{mode}-{trial}", mode, size))
+                    if (trial + 1) % 50 == 0:
+                        log(f"f01 {mode}: {trial + 1}/{trials} trials")
+                with self.engine.connect() as conn:
+                    rows = conn.execute(text(
+                        f"SELECT key, count(*) FROM {self.table}"
+                        " WHERE key LIKE :p GROUP BY key"), {"p": f"f01-{mode}-%"})
+                    per_key: dict[str, int] = {k: int(n) for k, n in rows}
+                executions = [per_key.get(f"f01-{mode}-{t}", 0) for t in range(trials)]
+                out[mode] = {
+                    "executions_per_key_max": max(executions),
+                    "executions_per_key_min": min(executions),
+                    "201": mix["201"],
+                    "409": mix["409"],
+                    "replay": mix["replay"],
+                    "other": sum(n for o, n in mix.items() if o not in ("201", "409", "replay")),
+                    "seconds": round(time.perf_counter() - started, 2),
+                }
+        return out
+
+
+def hold_pool(engine: Engine, size: int, patience: float = 60.0) -> None:
+    """Open the pool's connections up front and keep them, so that a shared server's
+    other clients cannot take them mid-run ("too many clients" halfway through)."""
+    held: list[Connection] = []
+    deadline = time.monotonic() + patience
+    try:
+        while len(held) < size:
+            try:
+                held.append(engine.connect())
+            except OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    finally:
+        for conn in held:
+            conn.close()  # back to the pool, which keeps it open
+
+
+def other_active_backends(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
+            " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+            " AND application_name <> 'bench-guard'")).scalar_one())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser.add_argument("--seconds", type=float, default=6.0,
+                        help="measured seconds per throughput variant (default 6)")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="threads for the throughput variants (default 8)")
+    parser.add_argument("--storm-size", type=int, default=100)
+    parser.add_argument("--storm-rounds", type=int, default=5)
+    parser.add_argument("--trials", type=int, default=200,
+                        help="F01 trials per mode (default 200)")
+    parser.add_argument("--trial-size", type=int, default=50)
+    parser.add_argument("--pool", type=int, default=50,
+                        help="connections (default 50: a storm of 100 queues for them, as"
+                        " in an app; kept modest because the server may be shared)")
+    args = parser.parse_args(argv)
+
+    t0 = time.perf_counter()
+    url = database_url()
+    log("migrating")
+    upgrade(url)
+    pool_size = max(args.pool, args.concurrency)
+    engine = make_engine(url, application_name="bench-guard", pool_size=pool_size,
+                         max_overflow=0, pool_timeout=120)
+    log(f"opening {pool_size} connections")
+    hold_pool(engine, pool_size)
+    busy_before = other_active_backends(engine)
+    bench = Bench(engine, uuid.uuid4().hex[:8])
+    report: dict[str, Any] = {"bench": "guard", "run": bench.run}
+    try:
+        with engine.connect() as conn:
+            report["server"] = conn.execute(text("SHOW server_version")).scalar_one()
+        report.update(concurrency=args.concurrency, seconds_per_variant=args.seconds,
+                      pool_size=pool_size, other_active_backends_before=busy_before)
+        bench.setup()
+        log(f"throughput: 3 variants x {args.seconds:g} s, {args.concurrency} threads")
+        tp = bench.throughput(args.seconds, args.concurrency)
+        a, b, c = tp["a_bare"], tp["b_atomic"], tp["c_phased"]
+        report["throughput"] = tp
+        report["ratios"] = {
+            "b_over_a_rps": round(b["rps"] / a["rps"], 3),
+            "c_over_a_rps": round(c["rps"] / a["rps"], 3),
+            "b_over_a_p50": round(b["p50_ms"] / a["p50_ms"], 3),
+            "c_over_a_p50": round(c["p50_ms"] / a["p50_ms"], 3),
+        }
+        log(f"storm: {args.storm_size} requests on one key x {args.storm_rounds} rounds")
+        report["storm"] = bench.storm(args.storm_size, args.storm_rounds)
+        log(f"f01: {args.trials} trials x {args.trial_size} same-key requests per mode")
+        report["f01"] = bench.f01(args.trials, args.trial_size)
+        report["f01"]["ok"] = all(
+            report["f01"][m]["executions_per_key_max"] == 1
+            and report["f01"][m]["executions_per_key_min"] == 1
+            and report["f01"][m]["other"] == 0 for m in MODES)
+        report["other_active_backends_after"] = other_active_backends(engine)
+    finally:
+        bench.cleanup()
+        engine.dispose()
+    report["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(report, separators=(",", ":")), flush=True)
+    return 0 if report["f01"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1017 @@
+"""The idempotency guard and enqueue() against a real PostgreSQL, in both modes.
+
+Scenario numbers (F01-F13, B11-B13) are those of research/anchors-reliability.md.
+No mocks: races are real threads released together by a barrier, crashes are claims
+that are never completed, time passes by backdating `locked_at` or through the
+injectable clock, and serialization failures and deadlocks are real server errors.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy import Connection, Engine, make_url, text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from outbox import (
+    Claim,
+    Effect,
+    IdempotencyGuard,
+    Result,
+    StoredResponse,
+    add_doorbell,
+    enqueue,
+    enqueue_many,
+    fingerprint,
+    make_engine,
+    remove_doorbell,
+)
+from outbox._idempotency import Mode, advisory_lock_id
+from outbox.errors import (
+    ClaimLost,
+    InvalidInput,
+    InvalidRequestBody,
+    KeyReused,
+    RequestInProgress,
+)
+from outbox.sql import dispatch
+from outbox.sql import keys as keysql
+from tests.otel_helpers import span_exporter
+
+SCOPE = "tenant-1:POST /orders"
+BODY = {"amount": 42, "currency": "EUR"}
+FP = fingerprint("POST", "/orders", BODY)
+MODES: list[Mode] = ["atomic", "phased"]
+Work = Callable[[Connection, Claim], StoredResponse]
+
+
+# --- fixtures and helpers --------------------------------------------------------------
+
+@pytest.fixture
+def storm_engine(db_url: str) -> Iterator[Engine]:
+    """A pool big enough that 50 racing requests never wait for a connection.
+
+    Its connections are opened before the test and closed after it: on a shared
+    server, opening them mid-race could meet "too many clients", and holding them for
+    the whole module would starve other people's tests.
+    """
+    eng = make_engine(db_url, application_name="tests-storm", pool_size=50, max_overflow=0,
+                      pool_timeout=60)
+    held: list[Connection] = []
+    deadline = time.monotonic() + 30
+    try:
+        while len(held) < 50:
+            try:
+                held.append(eng.connect())
+            except OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    finally:
+        for conn in held:
+            conn.close()  # back to the pool, which keeps it open
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def allow_processing() -> None:
+    """Requested by a test that deliberately ends with `processing` keys."""
+
+
+@pytest.fixture(autouse=True)
+def _no_stuck_claims(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test: no key is left `processing` (I6), unless the test says so."""
+    yield
+    if "engine" not in request.fixturenames or "allow_processing" in request.fixturenames:
+        return
+    eng: Engine = request.getfixturevalue("engine")
+    with eng.connect() as conn:
+        stuck = conn.execute(text(
+            "SELECT count(*) FROM outbox.idempotency_keys WHERE status = 'processing'"
+        )).scalar_one()
+    assert stuck == 0, f"{stuck} idempotency key(s) left in 'processing'"
+
+
+@pytest.fixture
+def spans() -> InMemorySpanExporter:
+    """The process's one in-memory span exporter (tests/otel_helpers sets the SDK
+    TracerProvider once per process, or joins one already installed)."""
+    return span_exporter()
+
+
+def response_for(order_id: int, tag: str) -> StoredResponse:
+    # Deliberately not canonical JSON, with repeated headers and an order to keep:
+    # a replay must give back these exact bytes, not a re-serialisation.
+    body = json.dumps({"id": order_id, "status": "created", "by": tag}, indent=1)
+    return StoredResponse(
+        201,
+        (("Content-Type", "application/json"), ("Location", f"/orders/{order_id}"),
+         ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")),
+        (body + "\n").encode(),
+    )
+
+
+def make_work(key: str, *, tag: str = "", calls: list[uuid.UUID] | None = None,
+              hook: Callable[[Connection, Claim], None] | None = None,
+              after_enqueue: Callable[[Connection, Claim], None] | None = None,
+              pause: float = 0.0) -> Work:
+    """The business handler: one order row, a charge and a receipt effect."""
+
+    def work(conn: Connection, claim: Claim) -> StoredResponse:
+        if calls is not None:
+            calls.append(claim.token)
+        if hook is not None:
+            hook(conn, claim)
+        order_id = conn.execute(
+            text("INSERT INTO test_orders (key, amount) VALUES (:k, 42) RETURNING id"),
+            {"k": key}).scalar_one()
+        enqueue_many(conn, [
+            Effect("psp.charge", {"order_key": key, "order_id": order_id, "by": tag}),
+            Effect("email.receipt", {"order_key": key, "order_id": order_id, "by": tag}),
+        ], claim=claim)
+        if after_enqueue is not None:
+            after_enqueue(conn, claim)
+        if pause:
+            time.sleep(pause)
+        return response_for(order_id, tag)
+
+    return work
+
+
+def orders(eng: Engine, key: str | None = None) -> int:
+    with eng.connect() as conn:
+        if key is None:
+            return int(conn.execute(text("SELECT count(*) FROM test_orders")).scalar_one())
+        return int(conn.execute(text("SELECT count(*) FROM test_orders WHERE key = :k"),
+                                {"k": key}).scalar_one())
+
+
+def effects(eng: Engine, key: str | None = None) -> int:
+    with eng.connect() as conn:
+        if key is None:
+            return int(conn.execute(text("SELECT count(*) FROM outbox.effects")).scalar_one())
+        return int(conn.execute(
+            text("SELECT count(*) FROM outbox.effects WHERE payload->>'order_key' = :k"),
+            {"k": key}).scalar_one())
+
+
+def key_rows(eng: Engine) -> list[Any]:
+    with eng.connect() as conn:
+        return list(conn.execute(text(
+            "SELECT * FROM outbox.idempotency_keys ORDER BY scope, key")).tuples())
+
+
+def key_status(eng: Engine, key: str, scope: str = SCOPE) -> str | None:
+    with eng.connect() as conn:
+        status: str | None = conn.execute(text(
+            "SELECT status FROM outbox.idempotency_keys WHERE scope = :s AND key = :k"),
+            {"s": scope, "k": key}).scalar_one_or_none()
+    return status
+
+
+def snapshot(eng: Engine) -> tuple[list[Any], list[Any], list[Any]]:
+    with eng.connect() as conn:
+        return (
+            key_rows(eng),
+            list(conn.execute(text("SELECT * FROM test_orders ORDER BY id")).tuples()),
+            list(conn.execute(text(
+                "SELECT id, effect_key, payload, status FROM outbox.effects ORDER BY id"
+            )).tuples()),
+        )
+
+
+def backdate(eng: Engine, key: str, seconds: float, scope: str = SCOPE) -> None:
+    """Make a `processing` claim look `seconds` older (the TTL passes instantly)."""
+    with eng.begin() as conn:
+        moved = conn.execute(text(
+            "UPDATE outbox.idempotency_keys SET locked_at = locked_at - make_interval(secs => :s)"
+            " WHERE scope = :scope AND key = :key AND status = 'processing'"),
+            {"s": seconds, "scope": scope, "key": key}).rowcount
+    assert moved == 1
+
+
+def later(seconds: float) -> Callable[[], datetime]:
+    """An injectable clock running `seconds` ahead of the wall clock."""
+    return lambda: datetime.now(UTC) + timedelta(seconds=seconds)
+
+
+def raw_dsn(db_url: str) -> str:
+    return make_url(db_url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+Outcome = Result | RequestInProgress | KeyReused
+
+
+def guarded(guard: IdempotencyGuard, eng: Engine, key: str, work: Work, mode: Mode,
+            barrier: threading.Barrier, delay: float = 0.0) -> tuple[Outcome, float]:
+    barrier.wait(timeout=30)
+    if delay:
+        time.sleep(delay)
+    started = time.monotonic()
+    try:
+        out: Outcome = guard.run(eng, SCOPE, key, FP, work, mode=mode)
+    except (RequestInProgress, KeyReused) as exc:
+        out = exc
+    return out, time.monotonic() - started
+
+
+def retake(guard: IdempotencyGuard, eng: Engine, key: str, barrier: threading.Barrier
+           ) -> Claim | StoredResponse | RequestInProgress:
+    barrier.wait(timeout=30)
+    try:
+        return guard.claim(eng, SCOPE, key, FP)
+    except RequestInProgress as exc:
+        return exc
+
+
+def check_storm(outcomes: list[tuple[Outcome, float]]) -> Counter[str]:
+    """F01's invariant for one trial: one execution; the rest 409 or an exact replay."""
+    executed = [o for o, _ in outcomes if isinstance(o, Result) and not o.replayed]
+    replays = [o for o, _ in outcomes if isinstance(o, Result) and o.replayed]
+    conflicts = [o for o, _ in outcomes if isinstance(o, RequestInProgress)]
+    assert len(executed) == 1, f"{len(executed)} executions"
+    assert len(executed) + len(replays) + len(conflicts) == len(outcomes)
+    for replay in replays:
+        assert replay.response == executed[0].response
+        assert replay.response.body == executed[0].response.body  # byte for byte
+    for conflict in conflicts:
+        assert conflict.status == 409 and conflict.retry_after == 1
+    # Nobody hangs: the only waits are bounded by lock_timeout (2 s); the slack is for
+    # 50 threads sharing 2 busy cores.
+    assert max(elapsed for _, elapsed in outcomes) < 5.0
+    return Counter(executed=1, replayed=len(replays), in_progress=len(conflicts))
+
+
+# --- F01 concurrent identical requests -------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_f01_fifty_identical_requests_execute_once(storm_engine: Engine, engine: Engine,
+                                                   mode: Mode) -> None:
+    guard = IdempotencyGuard()
+    threads, trials = 50, 10
+    mix: Counter[str] = Counter()
+    with ThreadPoolExecutor(threads) as pool:
+        for trial in range(trials):
+            key = f"f01-{mode}-{trial}"
+            # Some trials pause inside the work so that twins meet it in flight; some
+            # spread the arrivals over ~50 ms so that late twins get the replay.
+            work = make_work(key, tag=f"t{trial}", pause=0.05 if trial % 3 == 1 else 0.0)
+            spread = 0.001 if trial % 3 == 2 else 0.0
+            barrier = threading.Barrier(threads)
+            futures = [pool.submit(guarded, guard, storm_engine, key, work, mode, barrier,
+                                   spread * i) for i in range(threads)]
+            mix += check_storm([f.result(timeout=60) for f in futures])
+            assert orders(engine, key) == 1
+            assert effects(engine, key) == 2
+            assert key_status(engine, key) == "completed"
+    assert mix["executed"] == trials
+    assert mix["in_progress"] > 0 and mix["replayed"] > 0
+    assert orders(engine) == trials and effects(engine) == 2 * trials
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_f01_storm_at_higher_isolation_still_executes_once(
+        storm_engine: Engine, engine: Engine, mode: Mode, isolation: str) -> None:
+    """At RR/SERIALIZABLE a twin's snapshot can predate the winner's commit: the unique
+    backstop then raises 40001 and the retry replays. Never a 500, never a double."""
+    strict = storm_engine.execution_options(isolation_level=isolation)
+    guard = IdempotencyGuard()
+    threads = 30
+    with ThreadPoolExecutor(threads) as pool:
+        for trial in range(3):
+            key = f"f01-{isolation}-{mode}-{trial}"
+            work = make_work(key, tag="strict")
+            barrier = threading.Barrier(threads)
+            futures = [pool.submit(guarded, guard, strict, key, work, mode, barrier)
+                       for _ in range(threads)]
+            check_storm([f.result(timeout=60) for f in futures])
+            assert orders(engine, key) == 1
+            assert effects(engine, key) == 2
+
+
+# --- F02 / B12-B14 mismatch and scope --------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_f02_same_key_other_payload_is_422_and_writes_nothing(engine: Engine,
+                                                              mode: Mode) -> None:
+    guard = IdempotencyGuard()
+    first = guard.run(engine, SCOPE, "k", FP, make_work("k"), mode=mode)
+    before = snapshot(engine)
+    other = fingerprint("POST", "/orders", {"amount": 43, "currency": "EUR"})
+    calls: list[uuid.UUID] = []
+    for retry_mode in MODES:
+        with pytest.raises(KeyReused) as info:
+            guard.run(engine, SCOPE, "k", other, make_work("k", calls=calls), mode=retry_mode)
+        assert info.value.status == 422
+        assert info.value.code == "idempotency_key_reused"
+    assert calls == []
+    assert snapshot(engine) == before  # nothing written, the original untouched
+    again = guard.run(engine, SCOPE, "k", FP, make_work("k"), mode=mode)
+    assert again.replayed and again.response == first.response
+
+
+def test_f02_mismatch_while_in_flight_is_422_not_409(engine: Engine) -> None:
+    guard = IdempotencyGuard()
+    held = guard.claim(engine, SCOPE, "k", FP)
+    assert isinstance(held, Claim)
+    other = fingerprint("POST", "/orders", {"amount": 1})
+    for mode in MODES:
+        with pytest.raises(KeyReused):
+            guard.run(engine, SCOPE, "k", other, make_work("k"), mode=mode)
+    assert guard.release(engine, held)
+    assert key_rows(engine) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_b12_same_key_in_another_scope_is_independent(engine: Engine, mode: Mode) -> None:
+    guard = IdempotencyGuard()
+    a = guard.run(engine, "tenant-1:POST /orders", "shared", FP,
+                  make_work("shared", tag="tenant-1"), mode=mode)
+    b = guard.run(engine, "tenant-2:POST /orders", "shared", FP,
+                  make_work("shared", tag="tenant-2"), mode=mode)
+    assert not a.replayed and not b.replayed
+    assert b"tenant-1" in a.response.body and b"tenant-2" in b.response.body  # no leak
+    assert orders(engine, "shared") == 2
+    assert effects(engine, "shared") == 4  # derived effect keys differ by scope
+    replay = guard.run(engine, "tenant-2:POST /orders", "shared", FP, make_work("x"),
+                       mode=mode)
+    assert replay.replayed and replay.response == b.response
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_b13_other_method_or_path_is_422_within_one_scope(engine: Engine, mode: Mode) -> None:
+    guard = IdempotencyGuard()
+    scope = "tenant-1"  # a per-tenant scope: the endpoint lives in the fingerprint
+    guard.run(engine, scope, "k", fingerprint("POST", "/orders", BODY), make_work("k"),
+              mode=mode)
+    for method, path in [("PUT", "/orders"), ("POST", "/refunds"), ("POST", "/orders/")]:
+        with pytest.raises(KeyReused):
+            guard.run(engine, scope, "k", fingerprint(method, path, BODY), make_work("k"),
+                      mode=mode)
+    assert orders(engine) == 1
+    # With the endpoint in the scope instead, another endpoint is another key.
+    guard.run(engine, f"{scope}:POST /refunds", "k", fingerprint("POST", "/refunds", BODY),
+              make_work("k"), mode=mode)
+    assert orders(engine) == 2
+
+
+def test_b11_sql_like_keys_are_opaque(engine: Engine) -> None:
+    guard = IdempotencyGuard()
+    keys = ["'; DROP TABLE outbox.idempotency_keys;--", "%", "_", "\\", "a%", "ab", "a_"]
+    for i, key in enumerate(keys):
+        guard.run(engine, SCOPE, key, FP, make_work(key), mode=MODES[i % 2])
+    rows = key_rows(engine)
+    assert sorted(r.key for r in rows) == sorted(keys)
+    assert all(r.status == "completed" for r in rows)
+    for key in keys:  # each replays its own response, never a LIKE-match's
+        assert guard.run(engine, SCOPE, key, FP, make_work(key)).replayed
+    assert orders(engine) == len(keys)
+
+
+# --- F03 replay after completion -------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_f03_replay_is_byte_identical_and_writes_nothing(engine: Engine, mode: Mode) -> None:
+    guard = IdempotencyGuard()
+    original = StoredResponse(
+        402, (("Content-Type", "application/problem+json"), ("X-Weird", " spaced\tvalue "),
+              ("x-weird", "second"), ("Retry-After", "0")),
+        b'{"type":"card_declined",  "detail":"caf\xc3\xa9"}\r\n\x00\xff')
+
+    def declined(conn: Connection, claim: Claim) -> StoredResponse:
+        make_work("k")(conn, claim)
+        return original
+
+    first = guard.run(engine, SCOPE, "k", FP, declined, mode=mode)
+    assert not first.replayed and first.response is original
+    before = snapshot(engine)
+    for retry_mode in MODES:
+        calls: list[uuid.UUID] = []
+        replay = guard.run(engine, SCOPE, "k", FP, make_work("k", calls=calls),
+                           mode=retry_mode)
+        assert replay.replayed and calls == []
+        assert replay.response.status == 402
+        assert replay.response.headers == original.headers
+        assert replay.response.body == original.body
+        assert isinstance(replay.response.body, bytes)
+    # begin/claim hand back the same cached answer
+    with engine.begin() as conn:
+        assert guard.begin(conn, SCOPE, "k", FP) == original
+    assert guard.claim(engine, SCOPE, "k", FP) == original
+    assert snapshot(engine) == before
+
+
+# --- F04 / F06 crash after claim, TTL, racing retakers ---------------------------------
+
+@pytest.mark.parametrize("retry_mode", MODES)
+@pytest.mark.parametrize("how", ["backdate", "clock"])
+def test_f04_crashed_claim_is_409_until_ttl_then_retaken_once(
+        engine: Engine, retry_mode: Mode, how: str) -> None:
+    guard = IdempotencyGuard(ttl=60)
+    crashed = guard.claim(engine, SCOPE, "k", FP)  # ... and the process dies here
+    assert isinstance(crashed, Claim) and not crashed.taken_over
+    assert key_status(engine, "k") == "processing"
+    for mode in MODES:
+        with pytest.raises(RequestInProgress) as info:
+            guard.run(engine, SCOPE, "k", FP, make_work("k"), mode=mode)
+        assert info.value.status == 409 and info.value.retry_after == 1
+    # Just before the TTL: still in progress.
+    with pytest.raises(RequestInProgress):
+        IdempotencyGuard(ttl=60, clock=later(55)).run(engine, SCOPE, "k", FP,
+                                                      make_work("k"), mode=retry_mode)
+    if how == "backdate":
+        backdate(engine, "k", 61)
+        retaker = guard
+    else:
+        retaker = IdempotencyGuard(ttl=60, clock=later(61))
+    result = retaker.run(engine, SCOPE, "k", FP, make_work("k", tag="retry"), mode=retry_mode)
+    assert not result.replayed
+    assert orders(engine, "k") == 1 and effects(engine, "k") == 2
+    assert key_status(engine, "k") == "completed"
+    # The crashed holder's late completion is fenced out.
+    with pytest.raises(ClaimLost), engine.begin() as conn:
+        guard.complete(conn, crashed, response_for(0, "crashed"))
+    assert guard.run(engine, SCOPE, "k", FP, make_work("k")).response == result.response
+
+
+def test_f06_twenty_racing_retakers_one_winner(storm_engine: Engine, engine: Engine) -> None:
+    guard = IdempotencyGuard(ttl=60)
+    racers, trials = 20, 50
+    winners_per_trial: Counter[int] = Counter()
+    with ThreadPoolExecutor(racers) as pool:
+        for trial in range(trials):
+            key = f"f06-{trial}"
+            stale = guard.claim(storm_engine, SCOPE, key, FP)
+            assert isinstance(stale, Claim)
+            backdate(storm_engine, key, 120)
+            barrier = threading.Barrier(racers)
+            outcomes = [f.result(timeout=60) for f in
+                        [pool.submit(retake, guard, storm_engine, key, barrier)
+                         for _ in range(racers)]]
+            winners = [o for o in outcomes if isinstance(o, Claim)]
+            winners_per_trial[len(winners)] += 1
+            assert all(isinstance(o, Claim | RequestInProgress) for o in outcomes)
+            assert len(winners) == 1 and winners[0].taken_over
+            with storm_engine.begin() as conn:
+                guard.complete(conn, winners[0], response_for(trial, "winner"))
+            with pytest.raises(ClaimLost), storm_engine.begin() as conn:
+                guard.complete(conn, stale, response_for(trial, "stale"))
+    assert winners_per_trial == Counter({1: trials})
+
+
+def test_f06_take_over_statement_is_a_compare_and_set(storm_engine: Engine,
+                                                      engine: Engine) -> None:
+    """Without the advisory lock in front, the conditional UPDATE alone picks one."""
+    guard = IdempotencyGuard(ttl=60)
+    racers, trials = 20, 50
+
+    def cas(key: str, barrier: threading.Barrier) -> bool:
+        with storm_engine.begin() as conn:
+            conn.execute(text("SELECT 1"))
+            barrier.wait(timeout=30)
+            return keysql.take_over_key(conn, scope=SCOPE, key=key, token=uuid.uuid4(),
+                                        ttl_seconds=60)
+
+    with ThreadPoolExecutor(racers) as pool:
+        for trial in range(trials):
+            key = f"cas-{trial}"
+            stale = guard.claim(storm_engine, SCOPE, key, FP)
+            assert isinstance(stale, Claim)
+            backdate(storm_engine, key, 120)
+            barrier = threading.Barrier(racers)
+            won = [f.result(timeout=60) for f in
+                   [pool.submit(cas, key, barrier) for _ in range(racers)]]
+            assert won.count(True) == 1
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM outbox.idempotency_keys"))
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_f06_mixed_mode_retakers_execute_once(storm_engine: Engine, engine: Engine,
+                                              trial: int) -> None:
+    guard = IdempotencyGuard(ttl=60)
+    racers = 20
+    with ThreadPoolExecutor(racers) as pool:
+        for round_ in range(10):
+            key = f"mixed-{trial}-{round_}"
+            assert isinstance(guard.claim(storm_engine, SCOPE, key, FP), Claim)
+            backdate(storm_engine, key, 120)
+            barrier = threading.Barrier(racers)
+            work = make_work(key)
+            futures = [pool.submit(guarded, guard, storm_engine, key, work, MODES[i % 2],
+                                   barrier) for i in range(racers)]
+            check_storm([f.result(timeout=60) for f in futures])
+            assert orders(engine, key) == 1 and effects(engine, key) == 2
+
+
+# --- F05 zombie ------------------------------------------------------------------------
+
+def test_f05_zombie_completion_is_fenced_and_rolls_back(engine: Engine) -> None:
+    guard = IdempotencyGuard(ttl=60)
+    a = guard.claim(engine, SCOPE, "k", FP)
+    assert isinstance(a, Claim)
+    with engine.connect() as zombie:
+        zombie.begin()
+        response_a = make_work("k", tag="A")(zombie, a)  # order + 2 effects, uncommitted
+        backdate(engine, "k", 61)  # A stalls past the TTL ...
+        b = guard.claim(engine, SCOPE, "k", FP)  # ... and a retry takes the key over
+        assert isinstance(b, Claim) and b.taken_over and b.token != a.token
+        with pytest.raises(ClaimLost):
+            guard.complete(zombie, a, response_a)  # the fenced write hits 0 rows
+        zombie.rollback()
+    assert orders(engine) == 0 and effects(engine) == 0
+    with engine.begin() as conn:
+        response_b = make_work("k", tag="B")(conn, b)
+        guard.complete(conn, b, response_b)
+    assert orders(engine, "k") == 1 and effects(engine, "k") == 2
+    assert guard.run(engine, SCOPE, "k", FP, make_work("k")).response == response_b
+
+
+def test_f05_zombie_run_versus_retaker_run(engine: Engine) -> None:
+    """Through run(): the retaker's enqueue waits on the zombie's uncommitted effect rows
+    (same derived keys), the zombie is fenced and rolls back, then the retaker commits."""
+    guard = IdempotencyGuard(ttl=60)
+    in_work, resume = threading.Event(), threading.Event()
+
+    def zombie_work(conn: Connection, claim: Claim) -> StoredResponse:
+        response = make_work("k", tag="zombie")(conn, claim)
+        in_work.set()
+        assert resume.wait(20)
+        return response
+
+    def zombie() -> Result | ClaimLost:
+        try:
+            return guard.run(engine, SCOPE, "k", FP, zombie_work, mode="phased")
+        except ClaimLost as exc:
+            return exc
+
+    with ThreadPoolExecutor(2) as pool:
+        zombie_future = pool.submit(zombie)
+        assert in_work.wait(20)
+        backdate(engine, "k", 61)
+        retaker_future = pool.submit(guard.run, engine, SCOPE, "k", FP,
+                                     make_work("k", tag="retaker"), mode="phased")
+        try:
+            # The retaker blocks on the zombie's unique effect keys (a row-lock wait).
+            deadline = time.monotonic() + 15
+            waits: list[Any] = []
+            while not waits and not retaker_future.done() and time.monotonic() < deadline:
+                time.sleep(0.02)
+                with engine.connect() as conn:
+                    waits = list(conn.execute(text(
+                        "SELECT wait_event, left(query, 60) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND wait_event_type = 'Lock'")))
+            if retaker_future.done():
+                retaker_future.result()  # surface its error, if it has one
+                pytest.fail("the retaker finished while the zombie held the effect keys")
+            assert len(waits) == 1, waits
+            assert "INSERT INTO outbox.effects" in waits[0][1]
+        finally:
+            resume.set()
+        fenced = zombie_future.result(timeout=20)
+        result = retaker_future.result(timeout=20)
+    assert isinstance(fenced, ClaimLost)
+    assert not result.replayed and b"retaker" in result.response.body
+    assert orders(engine, "k") == 1 and effects(engine, "k") == 2
+    with engine.connect() as conn:
+        tags = set(conn.execute(text("SELECT payload->>'by' FROM outbox.effects")).scalars())
+    assert tags == {"retaker"}
+
+
+# --- exceptions in the work ------------------------------------------------------------
+
+def test_exception_in_phased_work_releases_the_claim(engine: Engine) -> None:
+    guard = IdempotencyGuard()
+    seen: list[str | None] = []
+
+    def prepare(claim: Claim) -> None:
+        # The claim has committed before any outside I/O: a twin sees it.
+        seen.append(key_status(engine, claim.key))
+
+    def failing(conn: Connection, claim: Claim) -> StoredResponse:
+        make_work("k")(conn, claim)
+        raise ValueError("the handler failed")
+
+    with pytest.raises(ValueError, match="handler failed"):
+        guard.run(engine, SCOPE, "k", FP, failing, mode="phased", prepare=prepare)
+    assert seen == ["processing"]
+    assert key_rows(engine) == [] and orders(engine) == 0 and effects(engine) == 0
+    result = guard.run(engine, SCOPE, "k", FP, make_work("k"), mode="phased")
+    assert not result.replayed and orders(engine) == 1
+
+
+def test_exception_in_prepare_releases_the_claim(engine: Engine) -> None:
+    guard = IdempotencyGuard()
+
+    def prepare(claim: Claim) -> None:
+        raise ConnectionError("the PSP is down")
+
+    calls: list[uuid.UUID] = []
+    with pytest.raises(ConnectionError):
+        guard.run(engine, SCOPE, "k", FP, make_work("k", calls=calls), mode="phased",
+                  prepare=prepare)
+    assert calls == [] and key_rows(engine) == []
+    assert not guard.run(engine, SCOPE, "k", FP, make_work("k"), mode="phased").replayed
+
+
+def test_exception_in_atomic_work_leaves_no_key(engine: Engine) -> None:
+    guard = IdempotencyGuard()
+
+    def failing(conn: Connection, claim: Claim) -> StoredResponse:
+        make_work("k")(conn, claim)
+        raise ValueError("the handler failed")
+
+    with pytest.raises(ValueError):
+        guard.run(engine, SCOPE, "k", FP, failing)
+    assert key_rows(engine) == [] and orders(engine) == 0 and effects(engine) == 0
+    assert not guard.run(engine, SCOPE, "k", FP, make_work("k")).replayed
+
+
+# --- F09 serialization failures and deadlocks ------------------------------------------
+
+def raise_sqlstate(conn: Connection, sqlstate: str) -> None:
+    """A real server error with this SQLSTATE, wrapped by SQLAlchemy as usual."""
+    conn.execute(text(
+        f"DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '{sqlstate}'; END $$"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sqlstate", ["40001", "40P01"])
+@pytest.mark.parametrize("phase", ["before_business", "after_enqueue"])
+def test_f09_transient_error_is_retried_with_the_same_claim(
+        engine: Engine, mode: Mode, sqlstate: str, phase: str) -> None:
+    guard = IdempotencyGuard()
+    calls: list[uuid.UUID] = []
+
+    def inject(conn: Connection, claim: Claim) -> None:
+        if len(calls) == 1:
+            raise_sqlstate(conn, sqlstate)
+
+    work = (make_work("k", calls=calls, hook=inject) if phase == "before_business"
+            else make_work("k", calls=calls, after_enqueue=inject))
+    result = guard.run(engine, SCOPE, "k", FP, work, mode=mode)
+    assert not result.replayed and len(calls) == 2
+    if mode == "phased":
+        assert calls[0] == calls[1]  # the claim is kept across the retry
+    assert orders(engine, "k") == 1 and effects(engine, "k") == 2  # same effect keys
+    assert key_status(engine, "k") == "completed"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_f09_retries_are_bounded_and_leave_nothing_locked(engine: Engine, mode: Mode) -> None:
+    guard = IdempotencyGuard()
+    calls: list[uuid.UUID] = []
+    work = make_work("k", calls=calls, hook=lambda conn, _: raise_sqlstate(conn, "40001"))
+    with pytest.raises(OperationalError) as info:
+        guard.run(engine, SCOPE, "k", FP, work, mode=mode)
+    assert isinstance(info.value.orig, psycopg.errors.SerializationFailure)
+    assert len(calls) == 5
+    assert key_rows(engine) == [] and orders(engine) == 0
+    assert not guard.run(engine, SCOPE, "k", FP, make_work("k"), mode=mode).replayed
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_f09_real_concurrent_update_conflict_is_retried(engine: Engine, mode: Mode,
+                                                        isolation: str) -> None:
+    with engine.begin() as conn:
+        stock = conn.execute(text(
+            "INSERT INTO test_orders (key, amount) VALUES ('stock', 100) RETURNING id"
+        )).scalar_one()
+    strict = engine.execution_options(isolation_level=isolation)
+    calls: list[uuid.UUID] = []
+
+    def take_stock(conn: Connection, claim: Claim) -> None:
+        conn.execute(text("SELECT amount FROM test_orders WHERE id = :id"), {"id": stock})
+        if len(calls) == 1:  # another transaction changes the row after our snapshot
+            with engine.begin() as other:
+                other.execute(text("UPDATE test_orders SET amount = amount - 1 WHERE id = :id"),
+                              {"id": stock})
+        conn.execute(text("UPDATE test_orders SET amount = amount - 1 WHERE id = :id"),
+                     {"id": stock})
+
+    result = IdempotencyGuard().run(strict, SCOPE, "k", FP,
+                                    make_work("k", calls=calls, hook=take_stock), mode=mode)
+    assert not result.replayed and len(calls) == 2
+    with engine.connect() as conn:
+        left = conn.execute(text("SELECT amount FROM test_orders WHERE id = :id"),
+                            {"id": stock}).scalar_one()
+    assert left == 98
+    assert orders(engine, "k") == 1 and effects(engine, "k") == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_f09_real_deadlock_is_retried(engine: Engine, mode: Mode) -> None:
+    with engine.begin() as conn:
+        x, y = (conn.execute(text(
+            "INSERT INTO test_orders (key, amount) VALUES ('stock', 100) RETURNING id"
+        )).scalar_one() for _ in range(2))
+    barrier = threading.Barrier(2)
+    calls: dict[str, list[uuid.UUID]] = {"a": [], "b": []}
+
+    def crosswise(first: int, second: int, who: str) -> Callable[[Connection, Claim], None]:
+        def hook(conn: Connection, claim: Claim) -> None:
+            conn.execute(text("SET LOCAL deadlock_timeout = '50ms'"))
+            conn.execute(text("UPDATE test_orders SET amount = amount - 1 WHERE id = :id"),
+                         {"id": first})
+            if len(calls[who]) == 1:
+                barrier.wait(timeout=10)
+            conn.execute(text("UPDATE test_orders SET amount = amount - 1 WHERE id = :id"),
+                         {"id": second})
+        return hook
+
+    guard = IdempotencyGuard()
+    with ThreadPoolExecutor(2) as pool:
+        fa = pool.submit(guard.run, engine, SCOPE, "a", FP,
+                         make_work("a", calls=calls["a"], hook=crosswise(x, y, "a")), mode=mode)
+        fb = pool.submit(guard.run, engine, SCOPE, "b", FP,
+                         make_work("b", calls=calls["b"], hook=crosswise(y, x, "b")), mode=mode)
+        ra, rb = fa.result(timeout=30), fb.result(timeout=30)
+    assert not ra.replayed and not rb.replayed
+    assert sorted(len(c) for c in calls.values()) == [1, 2]  # one victim, retried once
+    with engine.connect() as conn:
+        amounts = conn.execute(text("SELECT amount FROM test_orders WHERE id IN (:x, :y)"),
+                               {"x": x, "y": y}).scalars().all()
+    assert amounts == [98, 98]
+    assert orders(engine, "a") == orders(engine, "b") == 1
+
+
+# --- F10 waits are bounded -------------------------------------------------------------
+
+@pytest.mark.parametrize("lock_timeout_ms", [300, 2_000])
+def test_f10_claim_behind_an_uncommitted_inserter_is_409_in_bounded_time(
+        engine: Engine, db_url: str, lock_timeout_ms: int) -> None:
+    guard = IdempotencyGuard(lock_timeout_ms=lock_timeout_ms)
+    with psycopg.connect(raw_dsn(db_url)) as holder:  # a transaction opens implicitly
+        holder.execute(
+            "INSERT INTO outbox.idempotency_keys (scope, key, fingerprint, status,"
+            " lock_token, locked_at, expires_at)"
+            " VALUES (%s, 'k', %s, 'processing', gen_random_uuid(), now(), now() + '1 day')",
+            (SCOPE, FP))
+        started = time.monotonic()
+        with pytest.raises(RequestInProgress):
+            guard.run(engine, SCOPE, "k", FP, make_work("k"), mode="phased")
+        elapsed = time.monotonic() - started
+        assert lock_timeout_ms / 1000 * 0.9 < elapsed < 3.0
+        holder.rollback()
+    # Once the holder is gone, the same request runs normally.
+    assert not guard.run(engine, SCOPE, "k", FP, make_work("k"), mode="phased").replayed
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_f10_advisory_lock_held_elsewhere_is_an_immediate_409(engine: Engine, db_url: str,
+                                                              mode: Mode) -> None:
+    guard = IdempotencyGuard()
+    with psycopg.connect(raw_dsn(db_url)) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(%s)", (advisory_lock_id(SCOPE, "k"),))
+        started = time.monotonic()
+        with pytest.raises(RequestInProgress):
+            guard.run(engine, SCOPE, "k", FP, make_work("k"), mode=mode)
+        assert time.monotonic() - started < 1.0  # no lock wait at all (lock_timeout is 2 s)
+        holder.rollback()
+    assert not guard.run(engine, SCOPE, "k", FP, make_work("k"), mode=mode).replayed
+
+
+# --- F13 rollback and visibility -------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_f13_rolled_back_work_leaves_no_effects_and_readers_never_see_them(
+        engine: Engine, mode: Mode) -> None:
+    guard = IdempotencyGuard()
+    enqueued, polled = threading.Event(), threading.Event()
+    claimed: list[Any] = []
+    visible: list[int] = []
+
+    def failing(conn: Connection, claim: Claim) -> StoredResponse:
+        make_work("k")(conn, claim)
+        assert conn.execute(text("SELECT count(*) FROM outbox.effects")).scalar_one() == 2
+        enqueued.set()
+        assert polled.wait(20)
+        raise RuntimeError("failed after enqueue")
+
+    def dispatcher() -> None:
+        assert enqueued.wait(20)
+        for _ in range(20):
+            with engine.begin() as conn:
+                claimed.extend(dispatch.claim_due(conn, queue="default", limit=10,
+                                                  owner="reader", lease_seconds=30))
+                visible.append(conn.execute(text(
+                    "SELECT count(*) FROM outbox.effects")).scalar_one())
+        polled.set()
+
+    reader = threading.Thread(target=dispatcher)
+    reader.start()
+    with pytest.raises(RuntimeError):
+        guard.run(engine, SCOPE, "k", FP, failing, mode=mode)
+    reader.join(20)
+    assert claimed == [] and visible == [0] * 20
+    assert effects(engine) == 0 and orders(engine) == 0 and key_rows(engine) == []
+    # The same reader does see a committed request's effects.
+    guard.run(engine, SCOPE, "k", FP, make_work("k"), mode=mode)
+    with engine.begin() as conn:
+        rows = dispatch.claim_due(conn, queue="default", limit=10, owner="reader",
+                                  lease_seconds=30)
+    assert sorted(r.kind for r in rows) == ["email.receipt", "psp.charge"]
+
+
+# --- enqueue ---------------------------------------------------------------------------
+
+def test_enqueue_the_same_logical_effect_twice_is_a_duplicate(engine: Engine) -> None:
+    first_try = Claim(SCOPE, "k", FP, "phased", uuid.uuid4())
+    retry = Claim(SCOPE, "k", FP, "atomic", uuid.uuid4())  # another token, same request
+    with engine.begin() as conn:
+        first = enqueue(conn, "psp.charge", {"n": 1}, claim=first_try)
+        named = enqueue(conn, "email.receipt", {}, claim=first_try, name="receipt")
+    with engine.begin() as conn:
+        again = enqueue(conn, "psp.charge", {"n": 1}, claim=retry)
+        named_again = enqueue(conn, "email.receipt", {}, claim=retry, name="receipt")
+        second = enqueue(conn, "psp.charge", {"n": 2}, claim=retry)  # index 1: new
+    assert first.inserted and first.result == "inserted"
+    assert not again.inserted and again.result == "duplicate"
+    assert (again.id, again.effect_key) == (first.id, first.effect_key)
+    assert not named_again.inserted and named_again.id == named.id
+    assert second.inserted and second.effect_key != first.effect_key
+    with engine.begin() as conn:
+        explicit = enqueue(conn, "webhook", {"v": 1}, key="evt-1")
+        explicit_again = enqueue(conn, "webhook", {"v": 2}, key="evt-1")  # same txn
+    assert explicit.inserted and not explicit_again.inserted
+    assert explicit_again.id == explicit.id
+    other_scope = Claim("tenant-2", "k", FP, "atomic", uuid.uuid4())
+    assert other_scope.effect_key("psp.charge") != Claim(
+        SCOPE, "k", FP, "atomic", uuid.uuid4()).effect_key("psp.charge")
+    with engine.connect() as conn:
+        stored = conn.execute(text(
+            "SELECT payload FROM outbox.effects WHERE effect_key = 'evt-1'")).scalar_one()
+    assert stored == {"v": 1}  # the first write wins; a duplicate changes nothing
+    assert effects(engine) == 4
+
+
+def test_enqueue_many_with_a_repeated_key(engine: Engine) -> None:
+    claim = Claim(SCOPE, "k", FP, "atomic", uuid.uuid4())
+    with engine.begin() as conn:
+        results = enqueue_many(conn, [
+            Effect("hook", {"n": 1}, key="x"),
+            Effect("hook", {"n": 2}, key="x"),
+            Effect("hook", {"n": 3}, key="y"),
+            Effect("hook", {"n": 4}, key="x"),
+            Effect("mail", {"n": 5}, name="welcome"),
+            Effect("mail", {"n": 6}, name="welcome"),
+        ], claim=claim)
+    assert [r.inserted for r in results] == [True, False, True, False, True, False]
+    assert results[0].id == results[1].id == results[3].id != results[2].id
+    assert results[4].id == results[5].id
+    assert effects(engine) == 3
+    with engine.connect() as conn:
+        assert conn.execute(text(
+            "SELECT payload FROM outbox.effects WHERE effect_key = 'x'")).scalar_one() == {"n": 1}
+    with engine.begin() as conn:
+        later_batch = enqueue_many(conn, [Effect("hook", {}, key="x"),
+                                          Effect("hook", {}, key="z")])
+    assert [r.inserted for r in later_batch] == [False, True]
+    assert later_batch[0].id == results[0].id
+    with engine.begin() as conn:
+        assert enqueue_many(conn, []) == []
+
+
+@pytest.mark.parametrize("effect", [
+    Effect("", {}), Effect("k" * 201, {}), Effect("hook", {}, max_attempts=0),
+    Effect("hook", {}, delay=-1), Effect("hook", {}, retry_for=0), Effect("hook", {}, key=""),
+    Effect("hook", {}, key="k" * 256), Effect("hook", {"a": "\x00"}),
+    Effect("hook", ["\ud800"]), Effect("hook", {"a": float("nan")}),
+    Effect("hook", {"a": [float("inf")]}), Effect("hook", {"t": ("\x00",)}),
+])
+def test_enqueue_refuses_bad_effects_before_writing(engine: Engine, effect: Effect) -> None:
+    with engine.begin() as conn:
+        with pytest.raises(InvalidInput):
+            enqueue_many(conn, [Effect("hook", {}, key="fine"), effect])
+        # nothing was sent, so the transaction is still usable
+        assert conn.execute(text("SELECT count(*) FROM outbox.effects")).scalar_one() == 0
+    assert issubclass(InvalidRequestBody, InvalidInput)
+
+
+# --- Session (ORM) forms ---------------------------------------------------------------
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    __tablename__ = "test_orders"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key: Mapped[str | None]
+    amount: Mapped[int]
+
+
+def test_session_forms_join_the_session_transaction(engine: Engine) -> None:
+    guard = IdempotencyGuard()
+    rings: list[str] = []
+    add_doorbell(rings.append)
+    try:
+        with Session(engine) as session:
+            begun = guard.begin(session, SCOPE, "k", FP)
+            assert isinstance(begun, Claim)
+            order = Order(key="k", amount=5)
+            session.add(order)
+            session.flush()
+            enqueued = enqueue(session, "psp.charge", {"order_key": "k", "id": order.id},
+                               claim=begun)
+            response = response_for(order.id, "session")
+            guard.complete(session, begun, response)
+            assert session.in_transaction() and enqueued.inserted
+            # Nothing committed yet: another connection sees nothing ...
+            assert orders(engine) == 0 and effects(engine) == 0 and key_rows(engine) == []
+            # ... and a twin is told "in progress" (the session holds the advisory lock).
+            with pytest.raises(RequestInProgress):
+                guard.run(engine, SCOPE, "k", FP, make_work("k"))
+            assert rings == []
+            session.commit()
+        assert rings == ["default"]  # the doorbell rings after commit, once
+        assert orders(engine) == 1 and effects(engine) == 1
+        assert key_status(engine, "k") == "completed"
+        with Session(engine) as session:
+            assert guard.begin(session, SCOPE, "k", FP) == response
+            session.rollback()
+    finally:
+        remove_doorbell(rings.append)
+
+
+def test_session_rollback_leaves_nothing(engine: Engine) -> None:
+    guard = IdempotencyGuard()
+    rings: list[str] = []
+    add_doorbell(rings.append)
+    try:
+        with Session(engine) as session:
+            begun = guard.begin(session, SCOPE, "k", FP)
+            assert isinstance(begun, Claim)
+            session.add(Order(key="k", amount=5))
+            enqueue(session, "psp.charge", {"order_key": "k"}, claim=begun)
+            guard.complete(session, begun, response_for(1, "rolled back"))
+            session.rollback()
+        assert rings == []
+    finally:
+        remove_doorbell(rings.append)
+    assert orders(engine) == 0 and effects(engine) == 0 and key_rows(engine) == []
+    assert not guard.run(engine, SCOPE, "k", FP, make_work("k")).replayed
+
+
+def test_session_phased_zombie_is_fenced(engine: Engine) -> None:
+    guard = IdempotencyGuard(ttl=60)
+    a = guard.claim(engine, SCOPE, "k", FP)
+    assert isinstance(a, Claim)
+    backdate(engine, "k", 61)
+    b = guard.claim(engine, SCOPE, "k", FP)
+    assert isinstance(b, Claim)
+    with Session(engine) as session:
+        session.add(Order(key="k", amount=1))
+        enqueue(session, "psp.charge", {"order_key": "k"}, claim=a)
+        with pytest.raises(ClaimLost):
+            guard.complete(session, a, response_for(1, "zombie"))
+        session.rollback()
+    assert orders(engine) == 0 and effects(engine) == 0
+    with Session(engine) as session, session.begin():
+        session.add(Order(key="k", amount=1))
+        enqueue(session, "psp.charge", {"order_key": "k"}, claim=b)
+        guard.complete(session, b, response_for(2, "retaker"))
+    assert orders(engine) == 1 and effects(engine) == 1
+    assert key_status(engine, "k") == "completed"
+
+
+# --- trace context ---------------------------------------------------------------------
+
+def test_enqueue_captures_the_active_trace(engine: Engine,
+                                           spans: InMemorySpanExporter) -> None:
+    tracer = trace.get_tracer("tests")
+    with tracer.start_as_current_span("POST /orders") as request_span:
+        guard = IdempotencyGuard()
+        guard.run(engine, SCOPE, "k", FP, make_work("k"))
+        request = request_span.get_span_context()
+    with engine.connect() as conn:
+        headers = conn.execute(text("SELECT headers FROM outbox.effects")).scalars().all()
+    assert len(headers) == 2
+    produced = [s for s in spans.get_finished_spans()
+                if s.name == "outbox.enqueue" and s.context.trace_id == request.trace_id]
+    assert len(produced) == 1
+    enqueue_span = produced[0]
+    assert enqueue_span.kind == trace.SpanKind.PRODUCER
+    assert enqueue_span.parent is not None
+    assert enqueue_span.parent.span_id == request.span_id
+    for header in headers:
+        version, trace_id, parent_id, flags = header["traceparent"].split("-")
+        assert version == "00" and int(flags, 16) & 0x01  # sampled (0x02: random id)
+        assert trace_id == format(request.trace_id, "032x")
+        assert parent_id == format(enqueue_span.context.span_id, "016x")
