@@ -181,13 +181,19 @@ def cmd_purge(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from dispatcher._core import Dispatcher
     from dispatcher.handlers import load_registry
+    from dispatcher.metrics import configure_metrics, register_queue_gauges
     from dispatcher.worker import run_worker
     from outbox.telemetry_setup import configure
 
     configure("outbox-worker")
+    configure_metrics("outbox-worker")
+    # The worker logs at INFO; httpx would add a line per delivery (thousands a second
+    # under load, CPU the deliveries need). Attempts are in outbox.attempts anyway.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     registry = load_registry(args.handlers)
     engine = make_engine(application_name=args.name or "outbox-worker",
                          pool_size=2, max_overflow=2)
+    register_queue_gauges(engine)
     dispatcher = Dispatcher(engine, registry, queue=args.queue, concurrency=args.concurrency,
                             lease=args.lease)
     run_worker(dispatcher, poll_interval=args.poll, grace=args.grace)
@@ -258,9 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the whole promise, with crashes, in under a minute")
     d.add_argument("--short", action="store_true", help="a quick run (tests use it)")
-    d.add_argument("--workers", type=int, default=3)
-    d.add_argument("--payments", type=int, default=None)
-    d.add_argument("--clients", type=int, default=None)
+    d.add_argument("--workers", type=int, default=None, help="dispatcher workers (3; short 2)")
+    d.add_argument("--payments", type=int, default=None, help="distinct payments (150; short 40)")
+    d.add_argument("--clients", type=int, default=None, help="clients per payment key (4)")
+    d.add_argument("--json", action="store_true", help="end with the report as one JSON line")
     d.set_defaults(fn=cmd_demo)
     return p
 

@@ -407,3 +407,17 @@ def test_cli_rejects_a_busy_port(capsys: pytest.CaptureFixture[str]) -> None:
         port = int(receiver.url.rsplit(":", 1)[1])
         assert main(["--port", str(port)]) == 1
     assert "cannot start" in capsys.readouterr().err
+
+
+def test_truncated_body_from_a_killed_sender_is_refused_not_applied() -> None:
+    """A worker SIGKILLed after the headers must not get `{}` applied under its key."""
+    import socket
+
+    with Receiver() as rx:
+        host, port = rx.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: cut-1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 60\r\n\r\n{\"a\"")
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(4096)
+        assert rx.stats()["applied"] == 0

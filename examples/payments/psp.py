@@ -641,7 +641,10 @@ class _Handler(BaseHTTPRequestHandler):
                     while self.rfile.readline() not in (b"\r\n", b"\n", b""):
                         pass
                     return b"".join(chunks)
-                chunks.append(self.rfile.read(size))
+                chunk = self.rfile.read(size)
+                if len(chunk) != size:
+                    return None  # the sender died mid-chunk
+                chunks.append(chunk)
                 self.rfile.readline()
         try:
             length = int(self.headers.get("Content-Length", "0"))
@@ -649,7 +652,9 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         if length < 0 or length > _MAX_BODY:
             return None
-        return self.rfile.read(length) if length else b""
+        body = self.rfile.read(length) if length else b""
+        # A client killed mid-request leaves a short body: refuse it, never apply it.
+        return body if len(body) == length else None
 
     def _send(self, status: int, body: bytes, headers: Mapping[str, str] | None = None) -> None:
         try:
