@@ -1,0 +1,298 @@
+"""Statements on `outbox.inbox`, `outbox.inbox_conflicts` and `outbox.entity_versions`.
+
+Keys travel as parallel arrays through `unnest(...) WITH ORDINALITY ... ORDER BY n`:
+one statement per step whatever the batch size, and rows are locked in the order the
+caller sorted them, so two overlapping batches cannot deadlock on each other's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+_NOW = "coalesce(CAST(:now AS timestamptz), now())"
+
+Key = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    """One inbox row to insert; `payload` is JSON text."""
+
+    source: str
+    event_id: str
+    fingerprint: str
+    version: int | None
+    entity: str | None
+    payload: str
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedVersion:
+    """The version of an entity in force, and the event that set it."""
+
+    version: int
+    event_id: str
+    fingerprint: str
+
+
+# One round trip for the common cases: a new key is inserted, or a key committed before
+# this statement began is read back in the same statement. A twin committed while our
+# INSERT waited for it is not in the statement's snapshot: then no row comes back and
+# the caller reads it with `get_fingerprint`, a new statement.
+_INSERT_EVENT = text(
+    f"""
+    WITH ins AS (
+        INSERT INTO outbox.inbox
+               (source, event_id, fingerprint, version, entity, payload, received_at,
+                processed_at)
+        VALUES (:source, :event_id, :fingerprint, :version, :entity,
+                CAST(:payload AS jsonb), {_NOW},
+                CASE WHEN CAST(:processed AS boolean) THEN {_NOW} END)
+        ON CONFLICT (source, event_id) DO NOTHING
+        RETURNING fingerprint
+    )
+    SELECT true AS inserted, fingerprint FROM ins
+    UNION ALL
+    SELECT false, fingerprint FROM outbox.inbox
+     WHERE source = :source AND event_id = :event_id AND NOT EXISTS (SELECT FROM ins)
+    """
+)
+
+
+def insert_event(conn: Connection, event: NewEvent, *, processed: bool,
+                 now: datetime | None = None) -> tuple[bool, str | None]:
+    """Record one event: (True, ours) if new, else (False, the stored fingerprint or None).
+
+    None: the row is not in this statement's snapshot (a twin committed while we waited
+    on it, or a purge removed it); read again in a new statement.
+    """
+    params: dict[str, Any] = {
+        "source": event.source, "event_id": event.event_id,
+        "fingerprint": event.fingerprint, "version": event.version, "entity": event.entity,
+        "payload": event.payload, "processed": processed, "now": now,
+    }
+    row = conn.execute(_INSERT_EVENT, params).first()
+    if row is None:
+        return False, None
+    return bool(row.inserted), str(row.fingerprint)
+
+
+_INSERT_EVENTS = text(
+    f"""
+    INSERT INTO outbox.inbox
+           (source, event_id, fingerprint, version, entity, payload, received_at,
+            processed_at)
+    SELECT s, e, f, v, en, CAST(p AS jsonb), {_NOW},
+           CASE WHEN CAST(:processed AS boolean) THEN {_NOW} END
+      FROM unnest(CAST(:sources AS text[]), CAST(:event_ids AS text[]),
+                  CAST(:fingerprints AS text[]), CAST(:versions AS bigint[]),
+                  CAST(:entities AS text[]), CAST(:payloads AS text[]))
+           WITH ORDINALITY AS t(s, e, f, v, en, p, n)
+     ORDER BY n
+    ON CONFLICT (source, event_id) DO NOTHING
+    RETURNING source, event_id
+    """
+)
+
+
+def insert_events(conn: Connection, events: Sequence[NewEvent], *, processed: bool,
+                  now: datetime | None = None) -> set[Key]:
+    """Record many events in one statement; keys must be unique (the caller dedupes).
+
+    Returns the keys inserted. Duplicate keys inside one statement would be harmless
+    for DO NOTHING, but then nobody could tell which copy was stored.
+    """
+    params: dict[str, Any] = {
+        "sources": [e.source for e in events],
+        "event_ids": [e.event_id for e in events],
+        "fingerprints": [e.fingerprint for e in events],
+        "versions": [e.version for e in events],
+        "entities": [e.entity for e in events],
+        "payloads": [e.payload for e in events],
+        "processed": processed,
+        "now": now,
+    }
+    return {(r.source, r.event_id) for r in conn.execute(_INSERT_EVENTS, params)}
+
+
+# A new statement, so READ COMMITTED shows the row a twin committed while our INSERT
+# waited for it.
+_GET_FINGERPRINT = text(
+    "SELECT fingerprint FROM outbox.inbox WHERE source = :source AND event_id = :event_id"
+)
+
+
+def get_fingerprint(conn: Connection, source: str, event_id: str) -> str | None:
+    """The stored fingerprint of one event, or None if it is not (or no longer) there."""
+    row = conn.execute(_GET_FINGERPRINT, {"source": source, "event_id": event_id}).first()
+    return None if row is None else str(row.fingerprint)
+
+
+_GET_FINGERPRINTS = text(
+    """
+    SELECT i.source, i.event_id, i.fingerprint
+      FROM unnest(CAST(:sources AS text[]), CAST(:event_ids AS text[])) AS k(s, e)
+      JOIN outbox.inbox i ON i.source = k.s AND i.event_id = k.e
+    """
+)
+
+
+def get_fingerprints(conn: Connection, keys: Sequence[Key]) -> dict[Key, str]:
+    params = {"sources": [k[0] for k in keys], "event_ids": [k[1] for k in keys]}
+    return {(r.source, r.event_id): r.fingerprint
+            for r in conn.execute(_GET_FINGERPRINTS, params)}
+
+
+# Opt-in: the UPDATE locks the row until the caller commits, so every further copy of
+# a hot key queues behind it (docs/ingestion.md has the measurement).
+_COUNT_DUPLICATES = text(
+    """
+    UPDATE outbox.inbox i SET duplicates = i.duplicates + t.c
+      FROM unnest(CAST(:sources AS text[]), CAST(:event_ids AS text[]),
+                  CAST(:counts AS int[])) AS t(s, e, c)
+     WHERE i.source = t.s AND i.event_id = t.e
+    """
+)
+
+
+def count_duplicates(conn: Connection, counts: dict[Key, int]) -> None:
+    """Add to the in-row duplicate tallies (keys sorted: a stable lock order)."""
+    keys = sorted(counts)
+    params = {"sources": [k[0] for k in keys], "event_ids": [k[1] for k in keys],
+              "counts": [counts[k] for k in keys]}
+    conn.execute(_COUNT_DUPLICATES, params)
+
+
+_RECORD_CONFLICTS = text(
+    f"""
+    WITH c AS (
+        INSERT INTO outbox.inbox_conflicts (source, event_id, fingerprint, payload,
+                                            received_at)
+        SELECT s, e, f, CAST(p AS jsonb), {_NOW}
+          FROM unnest(CAST(:sources AS text[]), CAST(:event_ids AS text[]),
+                      CAST(:fingerprints AS text[]), CAST(:payloads AS text[]))
+               WITH ORDINALITY AS t(s, e, f, p, n)
+         ORDER BY n
+        RETURNING source, event_id
+    ), per_key AS (
+        SELECT source, event_id, count(*) AS n FROM c GROUP BY source, event_id
+    )
+    UPDATE outbox.inbox i SET conflicts = i.conflicts + per_key.n
+      FROM per_key
+     WHERE i.source = per_key.source AND i.event_id = per_key.event_id
+    """
+)
+
+
+def record_conflicts(conn: Connection, conflicts: Sequence[NewEvent],
+                     now: datetime | None = None) -> None:
+    """Keep each refused payload as evidence and count it on the stored event's row."""
+    rows = sorted(conflicts, key=lambda e: (e.source, e.event_id))
+    params: dict[str, Any] = {
+        "sources": [e.source for e in rows],
+        "event_ids": [e.event_id for e in rows],
+        "fingerprints": [e.fingerprint for e in rows],
+        "payloads": [e.payload for e in rows],
+        "now": now,
+    }
+    conn.execute(_RECORD_CONFLICTS, params)
+
+
+# The row is locked even when the WHERE is false, so the follow-up read of a refused
+# version sees a value nobody can change before we commit.
+_APPLY_VERSIONS = text(
+    f"""
+    INSERT INTO outbox.entity_versions AS ev
+           (source, entity, version, event_id, fingerprint, updated_at)
+    SELECT s, en, v, e, f, {_NOW}
+      FROM unnest(CAST(:sources AS text[]), CAST(:entities AS text[]),
+                  CAST(:versions AS bigint[]), CAST(:event_ids AS text[]),
+                  CAST(:fingerprints AS text[]))
+           WITH ORDINALITY AS t(s, en, v, e, f, n)
+     ORDER BY n
+    ON CONFLICT (source, entity) DO UPDATE
+       SET version = EXCLUDED.version, event_id = EXCLUDED.event_id,
+           fingerprint = EXCLUDED.fingerprint, updated_at = EXCLUDED.updated_at
+     WHERE ev.version < EXCLUDED.version
+    RETURNING ev.source, ev.entity
+    """
+)
+
+
+def apply_versions(conn: Connection, candidates: Sequence[NewEvent],
+                   now: datetime | None = None) -> set[Key]:
+    """Move each entity to the candidate's version iff it is newer; returns those moved.
+
+    At most one candidate per (source, entity): two would raise "ON CONFLICT DO UPDATE
+    command cannot affect row a second time".
+    """
+    rows = sorted(candidates, key=lambda e: (e.source, e.entity or ""))
+    params: dict[str, Any] = {
+        "sources": [e.source for e in rows],
+        "entities": [e.entity for e in rows],
+        "versions": [e.version for e in rows],
+        "event_ids": [e.event_id for e in rows],
+        "fingerprints": [e.fingerprint for e in rows],
+        "now": now,
+    }
+    return {(r.source, r.entity) for r in conn.execute(_APPLY_VERSIONS, params)}
+
+
+_GET_VERSIONS = text(
+    """
+    SELECT ev.source, ev.entity, ev.version, ev.event_id, ev.fingerprint
+      FROM unnest(CAST(:sources AS text[]), CAST(:entities AS text[])) AS k(s, en)
+      JOIN outbox.entity_versions ev ON ev.source = k.s AND ev.entity = k.en
+    """
+)
+
+
+def get_versions(conn: Connection, keys: Sequence[Key]) -> dict[Key, AppliedVersion]:
+    """The applied version of each (source, entity) that has one."""
+    params = {"sources": [k[0] for k in keys], "entities": [k[1] for k in keys]}
+    return {(r.source, r.entity): AppliedVersion(r.version, r.event_id, r.fingerprint)
+            for r in conn.execute(_GET_VERSIONS, params)}
+
+
+_MARK_PROCESSED = text(
+    f"""
+    UPDATE outbox.inbox SET processed_at = {_NOW}
+     WHERE source = :source AND event_id = :event_id AND processed_at IS NULL
+    RETURNING 1
+    """
+)
+
+
+def mark_processed(conn: Connection, source: str, event_id: str,
+                   now: datetime | None = None) -> bool:
+    """Flag an event recorded with processed=False as done; False if absent or done."""
+    params = {"source": source, "event_id": event_id, "now": now}
+    return conn.execute(_MARK_PROCESSED, params).first() is not None
+
+
+# ctid within one statement is stable; SKIP LOCKED leaves rows an ingesting
+# transaction holds (a conflict being counted) for a later batch instead of waiting.
+_PURGE_PROCESSED = text(
+    f"""
+    DELETE FROM outbox.inbox
+     WHERE ctid = ANY(ARRAY(
+           SELECT ctid FROM outbox.inbox
+            WHERE received_at < {_NOW} - make_interval(secs => :older_than)
+              AND processed_at IS NOT NULL
+            ORDER BY received_at
+            LIMIT :batch
+              FOR UPDATE SKIP LOCKED))
+    """
+)
+
+
+def purge_processed_events(conn: Connection, older_than_seconds: float, batch: int,
+                           now: datetime | None = None) -> int:
+    """Delete up to `batch` processed events received before the window; oldest first."""
+    params = {"older_than": older_than_seconds, "batch": batch, "now": now}
+    return conn.execute(_PURGE_PROCESSED, params).rowcount
