@@ -173,6 +173,17 @@ def cmd_purge(args: argparse.Namespace) -> int:
         totals["idempotency_keys"] += n
         if n < args.batch:
             break
+    if args.inbox_older_than:
+        from outbox._inbox import purge_inbox
+
+        horizons: dict[str, float] = {}
+        for item in args.horizon or []:
+            source, _, value = item.partition("=")
+            if not source or not value:
+                raise UsageError(f"--horizon takes SOURCE=DURATION, not {item!r}")
+            horizons[source] = parse_duration(value)
+        totals["inbox"] = purge_inbox(engine, parse_duration(args.inbox_older_than),
+                                      horizons, batch=args.batch)
     print(file=sys.stderr)
     print(json.dumps(totals))
     return 0
@@ -255,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     pu = sub.add_parser("purge", help="delete old delivered effects and expired keys")
     pu.add_argument("--older-than", required=True, help="e.g. 7d")
     pu.add_argument("--batch", type=int, default=1000)
+    pu.add_argument("--inbox-older-than", default=None,
+                    help="also purge processed inbox events older than this (e.g. 14d)")
+    pu.add_argument("--horizon", action="append", metavar="SOURCE=DURATION",
+                    help="a source's redelivery horizon; a shorter inbox retention is refused")
     pu.set_defaults(fn=cmd_purge)
 
     e = sub.add_parser("example-api", help="run the example payments service")
