@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from opentelemetry import propagate, trace
@@ -99,6 +99,9 @@ class Dispatcher:
         if concurrency < 1 or lease <= 0:
             raise ValueError("concurrency must be >= 1 and lease > 0")
         self.engine = engine
+        # Claim, record and extend are one statement each: autocommit makes each its own
+        # transaction without the BEGIN and COMMIT round trips (same atomicity, fewer waits).
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.registry = registry
         self.queue = queue
         self.concurrency = concurrency
@@ -112,6 +115,7 @@ class Dispatcher:
         self._inflight: dict[int, _InFlight] = {}
         self._done: list[sql.Outcome] = []
         self._done_lock = threading.Lock()
+        self._released: set[int] = set()  # released at shutdown: drop late outcomes
         self.wake = threading.Event()
         self._last_extend = time.monotonic()
 
@@ -119,7 +123,7 @@ class Dispatcher:
 
     @_db_retry
     def _claim(self, limit: int) -> list[Row[Any]]:
-        with self.engine.begin() as conn:
+        with self._autocommit.connect() as conn:
             return sql.claim_due(conn, queue=self.queue, limit=limit, owner=self.worker_id,
                                  lease_seconds=self.lease, now=self.clock())
 
@@ -146,7 +150,7 @@ class Dispatcher:
 
     @_db_retry
     def _record(self, batch: list[sql.Outcome]) -> dict[int, str]:
-        with self.engine.begin() as conn:
+        with self._autocommit.connect() as conn:
             return sql.record_outcomes(conn, batch, self.worker_id, now=self.clock())
 
     def extend_leases(self, force: bool = False) -> None:
@@ -161,7 +165,7 @@ class Dispatcher:
             return
         leases = [(f.row.id, f.row.lease_token) for f in due]
         try:
-            with self.engine.begin() as conn:
+            with self._autocommit.connect() as conn:
                 kept = sql.extend_leases(conn, leases, self.lease, now=self.clock())
         except DBAPIError:
             log.exception("could not extend %d leases", len(leases))
@@ -199,10 +203,12 @@ class Dispatcher:
                 _crashpoint("after_deliver_before_record")
             except Exception as exc:  # every failure is classified by the policy
                 duration = time.perf_counter() - t0
+                # `retry_until` was set from the database clock (or the injected one):
+                # compare it with the same clock, not with this host's wall time.
                 decision = self.policy.decide(
                     attempt=row.attempts, max_attempts=row.max_attempts, error=exc,
                     retry_safe=registration.retry_safe if registration else True,
-                    retry_until=row.retry_until, now=datetime.now(UTC))
+                    retry_until=row.retry_until, now=self.clock() or datetime.now(UTC))
                 detail = exc.detail if isinstance(exc, DeliveryError) else None
                 http_status = exc.http_status if isinstance(exc, DeliveryError) else None
                 span.set_attribute("outbox.outcome", decision.outcome)
@@ -241,8 +247,23 @@ class Dispatcher:
                 outcome="retry", next_status="pending", started_at=datetime.now(UTC),
                 delay=min(60.0, 2.0 ** row.attempts), error=f"{type(exc).__name__}: {exc}")
         with self._done_lock:
+            if row.id in self._released:
+                return  # released at shutdown; recording this too would double the attempt
             self._done.append(outcome)
         self.wake.set()
+
+    def _fill_or_back_off(self) -> int | None:
+        """`fill()`, but a database error (after _db_retry gave up) returns None.
+
+        An outage longer than the retry budget used to propagate out of run() and end
+        the worker process (F25/F26): log it and let the caller try again later; the
+        in-flight deliveries keep going and are recorded when the database is back.
+        """
+        try:
+            return self.fill()
+        except DBAPIError:
+            log.exception("could not claim effects; retrying after the poll interval")
+            return None
 
     def fill(self) -> int:
         """Claim up to the free slots and start delivering; returns rows claimed."""
@@ -282,9 +303,16 @@ class Dispatcher:
         """
         deadline = time.monotonic() + budget
         out_of_time = False
+        claim_failed = False
         while True:
             out_of_time = time.monotonic() >= deadline
-            claimed = 0 if out_of_time else self.fill()
+            claimed = 0
+            if not out_of_time and not claim_failed:
+                got = self._fill_or_back_off()
+                # Database unreachable: stop claiming, finish what is in flight; the
+                # sweep rings again later.
+                claim_failed = got is None
+                claimed = got or 0
             if not self._inflight and claimed == 0:
                 break
             self.wake.wait(0.05)
@@ -298,14 +326,21 @@ class Dispatcher:
             grace: float = 10.0, on_tick: Callable[[], None] | None = None) -> None:
         """Loop until `stop` is set; then stop claiming and shut down gracefully."""
         last_claim_empty = 0.0
+        rung = False
         while not stop.is_set():
             claimed = 0
             now = time.monotonic()
-            if len(self._inflight) < self.concurrency and (
-                    self.wake.is_set() or now - last_claim_empty >= poll_interval
-                    or last_claim_empty == 0.0):
+            # Take the doorbell (NOTIFY, or a finished delivery) off `wake` at once and
+            # remember it: left set while every slot was busy, it made the wait below
+            # return immediately, a busy loop burning a core until a slot freed up.
+            if self.wake.is_set():
                 self.wake.clear()
-                claimed = self.fill()
+                rung = True
+            if len(self._inflight) < self.concurrency and (
+                    rung or now - last_claim_empty >= poll_interval
+                    or last_claim_empty == 0.0):
+                rung = False
+                claimed = self._fill_or_back_off() or 0
                 if claimed == 0:
                     last_claim_empty = time.monotonic()
             if claimed == 0 or len(self._inflight) >= self.concurrency:
@@ -316,6 +351,23 @@ class Dispatcher:
                 on_tick()
         self.shutdown(grace)
 
+    def _release(self, item: _InFlight) -> sql.Outcome:
+        """The outcome of a delivery abandoned at shutdown: due again at once.
+
+        The request may already have reached the receiver, so the attempt is ambiguous;
+        a handler that declared it cannot be retried safely gets the effect parked for
+        review (DESIGN.md section 5), as for any other ambiguous outcome, instead of a
+        blind redelivery.
+        """
+        registration = self.registry.get(item.row.kind)
+        safe = registration.retry_safe if registration else True
+        started = datetime.now(UTC) - timedelta(seconds=time.monotonic() - item.started)
+        return sql.Outcome(
+            effect_id=item.row.id, lease_token=item.row.lease_token,
+            attempt=item.row.attempts, outcome="ambiguous",
+            next_status="pending" if safe else "needs_review", started_at=started,
+            delay=0.0, error="released: worker shut down mid-delivery")
+
     def shutdown(self, grace: float = 10.0) -> None:
         """Finish in-flight deliveries within `grace` seconds, release the rest."""
         deadline = time.monotonic() + grace
@@ -325,14 +377,14 @@ class Dispatcher:
             self.reap()
             self.extend_leases()
         if self._inflight:
-            release = [
-                sql.Outcome(effect_id=f.row.id, lease_token=f.row.lease_token,
-                            attempt=f.row.attempts, outcome="retry", next_status="pending",
-                            started_at=datetime.now(UTC), delay=0.0,
-                            error="released: worker shut down mid-delivery")
-                for f in self._inflight.values()
-            ]
             with self._done_lock:
+                # A delivery may have finished since the last reap: keep its real outcome
+                # rather than also releasing it (two outcomes for one attempt). Those not
+                # finished are released, and their late outcomes dropped in _finished.
+                finished = {o.effect_id for o in self._done}
+                release = [self._release(f) for f in self._inflight.values()
+                           if f.row.id not in finished]
+                self._released.update(o.effect_id for o in release)
                 self._done.extend(release)
             log.warning("released %d in-flight effects at shutdown", len(release))
             self._inflight.clear()

@@ -21,10 +21,12 @@ from celery import Celery
 
 from dispatcher._core import Dispatcher
 from dispatcher.handlers import load_registry
+from dispatcher.metrics import configure_metrics, register_queue_gauges
 from dispatcher.worker import sweep as sweep_leases
 from outbox._config import database_url, make_engine
 from outbox._enqueue import add_doorbell
 from outbox.sql import dispatch as sql
+from outbox.telemetry_setup import configure as configure_traces
 
 log = logging.getLogger("outbox.celery")
 
@@ -50,7 +52,9 @@ app.conf.update(
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
     task_ignore_result=True,
-    task_default_queue="outbox",
+    # One broker (a RabbitMQ vhost, a Redis db) may serve several deployments:
+    # OUTBOX_CELERY_QUEUE keeps their doorbells apart.
+    task_default_queue=os.environ.get("OUTBOX_CELERY_QUEUE", "outbox"),
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     beat_schedule={
@@ -72,6 +76,9 @@ def dispatcher_for(queue: str) -> Dispatcher:
         if found is None:
             engine = make_engine(application_name="outbox-celery", pool_size=2,
                                  max_overflow=2)
+            configure_traces("outbox-celery")  # after the prefork fork: our own SDK
+            configure_metrics("outbox-celery")
+            register_queue_gauges(engine)
             found = Dispatcher(engine, load_registry(), queue=queue,
                                concurrency=CONCURRENCY, lease=LEASE)
             _dispatchers[key] = found
@@ -110,8 +117,19 @@ def sweep(queue: str = "default") -> dict[str, Any]:
 
 
 def ring(queue: str) -> None:
-    """The after-commit doorbell: a payload-less drain message."""
-    drain.apply_async(args=[queue], kwargs={"kick": True})
+    """The after-commit doorbell: a payload-less drain message.
+
+    Best effort, and fast: with Celery's default publish retries a broker that is down
+    stalls the caller ~1.5 s per ring, and on a Core connection the ring runs *before*
+    COMMIT, so the business transaction stayed open meanwhile. A lost ring loses
+    nothing (the beat sweep finds the rows), so allow one quick reconnect and give up.
+    """
+    drain.apply_async(args=[queue], kwargs={"kick": True},
+                      retry=True, retry_policy=_RING_RETRY)
+
+
+_RING_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1,
+               "interval_max": 0.1}
 
 
 def install_doorbell() -> None:

@@ -49,6 +49,9 @@ def listen(engine: Engine, channel: str, wake: threading.Event, stop: threading.
             backoff = min(backoff * 2, 5.0)
 
 
+_listen_loop = listen  # run_worker's `listen` flag shadows the name
+
+
 def sweep(engine: Engine) -> list[int]:
     """Dead-letter expired leases that have no attempts left (the poison-loop stop)."""
     with engine.begin() as conn:
@@ -56,8 +59,13 @@ def sweep(engine: Engine) -> list[int]:
 
 
 def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: float = 10.0,
-               stop: threading.Event | None = None, install_signals: bool = True) -> None:
-    """Run until SIGTERM/SIGINT (or `stop`), then shut down gracefully."""
+               stop: threading.Event | None = None, install_signals: bool = True,
+               listen: bool = True) -> None:
+    """Run until SIGTERM/SIGINT (or `stop`), then shut down gracefully.
+
+    `listen=False` runs without the LISTEN/NOTIFY doorbell: polling every
+    `poll_interval` seconds only (the benchmark's polling-only latency case).
+    """
     stop = stop or threading.Event()
     if install_signals:
         def on_signal(signum: int, _frame: Any) -> None:
@@ -66,10 +74,11 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
             dispatcher.wake.set()
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-    listener = threading.Thread(
-        target=listen, name="outbox-listen", daemon=True,
-        args=(dispatcher.engine, NOTIFY_CHANNEL, dispatcher.wake, stop, dispatcher.queue))
-    listener.start()
+    if listen:
+        threading.Thread(
+            target=_listen_loop, name="outbox-listen", daemon=True,
+            args=(dispatcher.engine, NOTIFY_CHANNEL, dispatcher.wake, stop, dispatcher.queue),
+        ).start()
     last_sweep = 0.0
 
     def on_tick() -> None:

@@ -132,15 +132,17 @@ _RECORD = text(
                result = coalesce(CAST(v.result AS jsonb), e.result)
           FROM v
          WHERE e.id = v.id AND e.lease_token = v.token AND e.status = 'in_flight'
-        RETURNING e.id
+        RETURNING e.id, v.token
     )
+    -- Join back on (id, token), not id alone: a stale outcome that shares a batch with
+    -- the live outcome for the same effect must still be recorded as lease_lost.
     INSERT INTO outbox.attempts
            (effect_id, attempt, worker, started_at, finished_at, outcome, http_status,
             error, trace_id)
     SELECT v.id, v.attempt, :worker, v.started_at, {_NOW},
            CASE WHEN upd.id IS NULL THEN 'lease_lost' ELSE v.outcome END,
            v.http_status, v.error, v.trace_id
-      FROM v LEFT JOIN upd ON upd.id = v.id
+      FROM v LEFT JOIN upd ON upd.id = v.id AND upd.token = v.token
      WHERE EXISTS (SELECT 1 FROM outbox.effects x WHERE x.id = v.id)
     RETURNING effect_id, outcome
     """

@@ -1,0 +1,837 @@
+"""The dispatcher in-process: claim, lease, fence, classify, retry, order (fast).
+
+Real PostgreSQL; the HTTP cases go through the fake PSP (examples/payments/psp.py) on a
+loopback thread. Time moves through the statements' `now` argument and the
+Dispatcher's injectable clock (H8b), never through sleeps longer than a blip.
+Catalogue IDs: research/anchors-reliability.md section C (F17, F20, F22-F25, F31).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, event, text
+from sqlalchemy.exc import OperationalError
+from tenacity import retry_if_exception_type, wait_fixed
+
+from dispatcher import Dispatcher, HttpHandler, Registry, RetryPolicy
+from dispatcher.handlers import EffectContext
+from examples.payments.psp import Receiver
+from outbox.errors import (
+    AmbiguousOutcome,
+    PermanentFailure,
+    RetryAfter,
+    TransientFailure,
+)
+from outbox.sql import dispatch as sql
+from tests.dispatch_support import (
+    add_effects,
+    attempts_of,
+    db_now,
+    effect_row,
+    keys,
+    outcome_counts,
+    status_counts,
+    wait_until,
+)
+
+SOAK = os.environ.get("OUTBOX_SOAK") == "1"
+NO_WAIT = RetryPolicy(wait=wait_fixed(60))  # backoff far beyond one drain
+
+
+def claim(engine: Engine, *, limit: int = 10, owner: str = "w", lease: float = 30.0,
+          now: datetime | None = None, queue: str = "default") -> list[Any]:
+    with engine.begin() as conn:
+        return sql.claim_due(conn, queue=queue, limit=limit, owner=owner,
+                             lease_seconds=lease, now=now)
+
+
+def outcome_for(row: Any, outcome: str, next_status: str, **kw: Any) -> sql.Outcome:
+    return sql.Outcome(effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+                       outcome=outcome, next_status=next_status,
+                       started_at=datetime.now(UTC), **kw)
+
+
+def record(engine: Engine, outcomes: list[sql.Outcome], worker: str = "w",
+           now: datetime | None = None) -> dict[int, str]:
+    with engine.begin() as conn:
+        return sql.record_outcomes(conn, outcomes, worker, now=now)
+
+
+class StatementCounter:
+    """Counts statements sent on an engine while active (`with StatementCounter(e) as c`)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.statements: list[str] = []
+
+    def _on(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        self.statements.append(statement)
+
+    def __enter__(self) -> StatementCounter:
+        event.listen(self.engine, "before_cursor_execute", self._on)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        event.remove(self.engine, "before_cursor_execute", self._on)
+
+
+# --------------------------------------------------------------------------- claim
+
+
+def test_claim_marks_rows_in_flight_with_a_fresh_lease(engine: Engine) -> None:
+    ids = add_effects(engine, keys("c", 5))
+    add_effects(engine, ["later"], delay=3600)
+    add_effects(engine, ["other-queue"], queue="other")
+    t0 = db_now(engine)
+    rows = claim(engine, limit=3, owner="A", lease=30, now=t0)
+    assert [r.id for r in rows] == ids[:3]  # oldest due first
+    assert {r.attempts for r in rows} == {1}
+    assert len({r.lease_token for r in rows}) == 3
+    for r in rows:
+        assert r.lease_expires_at == t0 + timedelta(seconds=30)
+    rest = claim(engine, limit=10, owner="B", now=t0)
+    assert [r.id for r in rest] == ids[3:]  # not the delayed one, not the other queue
+    assert claim(engine, limit=10, owner="C", now=t0) == []
+    assert [r.effect_key for r in claim(engine, queue="other", now=t0)] == ["other-queue"]
+    with engine.connect() as conn:
+        owners = dict(conn.execute(text(
+            "SELECT lease_owner, count(*) FROM outbox.effects WHERE status = 'in_flight' "
+            "GROUP BY lease_owner")).all())
+    assert owners == {"A": 3, "B": 2, "w": 1}
+    # Two hours on: the delayed row is due, and every lease above has expired (rescue).
+    later = claim(engine, limit=10, owner="D", now=t0 + timedelta(hours=2))
+    assert sorted(r.effect_key for r in later) == sorted([*keys("c", 5), "later"])
+    assert {r.attempts for r in later if r.effect_key != "later"} == {2}
+    assert claim(engine, limit=0) == []
+
+
+def test_expired_lease_is_rescued_with_a_new_token(engine: Engine) -> None:
+    [eid] = add_effects(engine, ["r1"])
+    t0 = db_now(engine)
+    [first] = claim(engine, owner="dead", lease=10, now=t0)
+    assert claim(engine, owner="B", now=t0 + timedelta(seconds=9)) == []  # still leased
+    [again] = claim(engine, owner="B", lease=10, now=t0 + timedelta(seconds=11))
+    assert again.id == eid and again.attempts == 2
+    assert again.lease_token != first.lease_token
+    row = effect_row(engine, "r1")
+    assert (row.status, row.lease_owner, row.attempts) == ("in_flight", "B", 2)
+
+
+def test_rescue_respects_max_attempts_and_the_sweep_dead_letters(engine: Engine) -> None:
+    add_effects(engine, ["last-try"], max_attempts=1)
+    t0 = db_now(engine)
+    claim(engine, owner="dead", lease=5, now=t0)
+    later = t0 + timedelta(seconds=6)
+    assert claim(engine, owner="B", now=later) == []  # no attempt left: never redelivered
+    with engine.begin() as conn:
+        assert sql.seconds_until_due(conn, "default", now=later) == pytest.approx(-1.0)
+        dead = sql.fail_exhausted_leases(conn, now=later)
+    row = effect_row(engine, "last-try")
+    assert dead == [row.id]
+    assert (row.status, row.lease_token, row.attempts) == ("failed", None, 1)
+    [a] = attempts_of(engine, row.id)
+    assert (a.outcome, a.worker, a.attempt) == ("failed", "dead", 1)
+    with engine.begin() as conn:
+        assert sql.seconds_until_due(conn, "default", now=later) is None
+
+
+# --------------------------------------------------------------------------- F17
+
+
+def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from _plan_nodes(child)
+
+
+def _subplan(plan: dict[str, Any], name: str) -> dict[str, Any]:
+    for node in _plan_nodes(plan):
+        if node.get("Subplan Name") == name:
+            return node
+    raise AssertionError(f"no {name!r} in the plan: the CTE was inlined, not materialized")
+
+
+def _backlog(engine: Engine, pending: int, delivered: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO outbox.effects (effect_key, kind, payload) "
+            "SELECT 'bp-' || g, 'noop', '{}' FROM generate_series(1, :n) g"), {"n": pending})
+        conn.execute(text(
+            "INSERT INTO outbox.effects (effect_key, kind, payload, status, delivered_at,"
+            " finished_at, attempts) SELECT 'bd-' || g, 'noop', '{}', 'delivered', now(),"
+            " now(), 1 FROM generate_series(1, :n) g"), {"n": delivered})
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("ANALYZE outbox.effects"))
+
+
+@pytest.mark.parametrize("settings", [
+    (),
+    ("enable_hashjoin = off", "enable_mergejoin = off"),
+    ("enable_seqscan = off",),
+    ("enable_seqscan = off", "enable_hashjoin = off", "enable_bitmapscan = off"),
+], ids=lambda s: ",".join(x.split()[0] for x in s) or "default")
+def test_f17_claim_plan_materializes_ctes_and_uses_the_pending_index(
+        engine: Engine, settings: tuple[str, ...]) -> None:
+    """H11: the CTEs are materialized (evaluated once) and the hot path is an index scan
+    over the partial pending index that stops at LIMIT, however large the backlog."""
+    _backlog(engine, pending=20_000, delivered=20_000)
+    params = {"queue": "default", "limit": 10, "owner": "x", "lease": 30.0, "now": None}
+    with engine.connect() as conn:
+        for s in settings:
+            conn.execute(text(f"SET LOCAL {s}"))
+        [[doc]] = conn.execute(text("EXPLAIN (FORMAT JSON) " + sql._CLAIM.text), params).all()
+        plan = (json.loads(doc) if isinstance(doc, str) else doc)[0]["Plan"]
+        for name in ("CTE rescue", "CTE fresh", "CTE picked"):
+            _subplan(plan, name)
+        fresh = _subplan(plan, "CTE fresh")
+        assert any(n.get("Index Name") == "effects_pending_idx" for n in _plan_nodes(fresh)), \
+            json.dumps(fresh, indent=1)
+        rescue = _subplan(plan, "CTE rescue")
+        assert any(n.get("Index Name") == "effects_in_flight_idx"
+                   for n in _plan_nodes(rescue)), json.dumps(rescue, indent=1)
+        # Actually run it (then roll back): the index scan reads about LIMIT rows.
+        [[doc]] = conn.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + sql._CLAIM.text),
+                               params).all()
+        conn.rollback()
+    plan = (json.loads(doc) if isinstance(doc, str) else doc)[0]["Plan"]
+    fresh = _subplan(plan, "CTE fresh")
+    scans = [n for n in _plan_nodes(fresh) if n.get("Index Name") == "effects_pending_idx"]
+    assert scans and all(n["Actual Rows"] <= 20 for n in scans), json.dumps(fresh, indent=1)
+    assert plan["Actual Rows"] == 10  # the UPDATE returned exactly LIMIT rows
+
+
+PLAN_FORCING = [
+    (),
+    ("enable_hashjoin = off", "enable_mergejoin = off"),
+    ("enable_seqscan = off",),
+    ("enable_indexscan = off", "enable_bitmapscan = off"),
+    ("enable_nestloop = off", "enable_hashjoin = off"),
+    ("enable_material = off", "enable_sort = off", "enable_seqscan = off"),
+]
+
+
+def test_f17_limit_never_exceeded_under_plan_forcing_settings(engine: Engine) -> None:
+    """PG bug #15715 shape: 4 concurrent claimers, LIMIT 1 and 10, plans forced every way;
+    no call may mark more than LIMIT rows and no row may be claimed twice in a round."""
+    rows_per_round = 10_000 if SOAK else 500  # soak: over 10,000 claim calls
+    rescue_rows = rows_per_round // 5
+    add_effects(engine, keys("f17", rows_per_round))
+    worst: dict[int, int] = {1: 0, 10: 0}
+    calls = 0
+    for settings in PLAN_FORCING:
+        with engine.begin() as conn:  # a fifth of the rows in flight with expired leases
+            conn.execute(text(
+                "UPDATE outbox.effects SET status = 'pending', attempts = 0, lease_owner = NULL,"
+                " lease_token = NULL, lease_expires_at = NULL"))
+            conn.execute(text(
+                "UPDATE outbox.effects SET status = 'in_flight', attempts = 1,"
+                " lease_owner = 'dead', lease_token = gen_random_uuid(),"
+                " lease_expires_at = now() - interval '1 second'"
+                " WHERE id IN (SELECT id FROM outbox.effects ORDER BY random() LIMIT :n)"),
+                {"n": rescue_rows})
+
+        def claimer(limit: int, settings: tuple[str, ...] = settings) -> list[list[int]]:
+            got: list[list[int]] = []
+            while True:
+                with engine.begin() as conn:
+                    for s in settings:
+                        conn.execute(text(f"SET LOCAL {s}"))
+                    rows = sql.claim_due(conn, queue="default", limit=limit,
+                                         owner=f"t{limit}", lease_seconds=30)
+                if not rows:
+                    return got
+                got.append([r.id for r in rows])
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(claimer, [1, 1, 10, 10]))
+        claimed = [ids for per_thread in results for ids in per_thread]
+        calls += len(claimed)
+        for limit, per_thread in zip([1, 1, 10, 10], results, strict=True):
+            for ids in per_thread:
+                worst[limit] = max(worst[limit], len(ids))
+        flat = [i for ids in claimed for i in ids]
+        assert len(flat) == len(set(flat)) == rows_per_round, settings
+        with engine.connect() as conn:
+            counts = dict(conn.execute(text(
+                "SELECT attempts, count(*) FROM outbox.effects GROUP BY attempts")).all())
+        assert counts == {1: rows_per_round - rescue_rows, 2: rescue_rows}, settings
+    assert worst[1] == 1 and worst[10] <= 10, worst
+    print(f"F17: {calls} claim calls, max rows per call {worst}")
+
+
+# --------------------------------------------------------------------------- fencing
+
+
+def test_f20_late_record_after_takeover_is_lease_lost_and_changes_nothing(
+        engine: Engine) -> None:
+    [eid] = add_effects(engine, ["zombie"])
+    t0 = db_now(engine)
+    [a] = claim(engine, owner="A", lease=5, now=t0)
+    t1 = t0 + timedelta(seconds=6)
+    [b] = claim(engine, owner="B", lease=5, now=t1)  # A stalled past its lease
+    with engine.begin() as conn:
+        assert sql.extend_leases(conn, [(eid, a.lease_token)], 5, now=t1) == set()
+    before = effect_row(engine, "zombie")
+    got = record(engine, [outcome_for(a, "delivered", "delivered", result='{"x": 1}')],
+                 worker="A", now=t1)
+    assert got == {eid: "lease_lost"}
+    after = effect_row(engine, "zombie")
+    assert after._asdict() == before._asdict()  # not one column changed
+    assert (after.status, after.lease_token, after.lease_owner) == ("in_flight",
+                                                                   b.lease_token, "B")
+    # The live worker's outcome wins; a second zombie write after that is fenced too.
+    assert record(engine, [outcome_for(b, "delivered", "delivered")], worker="B",
+                  now=t1) == {eid: "delivered"}
+    assert record(engine, [outcome_for(a, "retry", "pending", delay=1.0)],
+                  worker="A", now=t1) == {eid: "lease_lost"}
+    final = effect_row(engine, "zombie")
+    assert (final.status, final.attempts, final.lease_token) == ("delivered", 2, None)
+    assert final.result is None and final.last_error is None
+    history = [(x.attempt, x.worker, x.outcome) for x in attempts_of(engine, eid)]
+    assert sorted(history) == [(1, "A", "lease_lost"), (1, "A", "lease_lost"),
+                               (2, "B", "delivered")]
+
+
+def test_record_outcomes_is_one_statement_per_batch(engine: Engine) -> None:
+    ids = add_effects(engine, keys("batch", 50))
+    rows = claim(engine, limit=50)
+    outcomes = [outcome_for(r, "delivered", "delivered") if r.id % 3 else
+                outcome_for(r, "retry", "pending", delay=30.0, error="boom",
+                            http_status=503) for r in rows]
+    stale = sql.Outcome(effect_id=ids[0], lease_token=uuid.uuid4(), attempt=1,
+                        outcome="delivered", next_status="delivered",
+                        started_at=datetime.now(UTC))
+    with StatementCounter(engine) as counter:
+        got = record(engine, [*outcomes, stale])
+    assert len(counter.statements) == 1
+    delivered = sum(1 for i in ids if i % 3)
+    assert sum(1 for v in got.values() if v == "delivered") == delivered
+    # The stale write for ids[0] (another token) is fenced although the same batch
+    # carries the live outcome for that effect.
+    assert outcome_counts(engine) == {"delivered": delivered, "retry": 50 - delivered,
+                                      "lease_lost": 1}
+    assert status_counts(engine) == {"delivered": delivered, "pending": 50 - delivered}
+    with engine.connect() as conn:
+        waits = conn.execute(text(
+            "SELECT DISTINCT round(extract(epoch FROM e.available_at - a.finished_at))"
+            " FROM outbox.effects e JOIN outbox.attempts a ON a.effect_id = e.id"
+            " WHERE e.status = 'pending'")).scalars().all()
+    assert waits == [30]
+
+
+def test_extend_leases_is_one_statement_and_only_for_our_tokens(engine: Engine) -> None:
+    add_effects(engine, keys("ext", 6))
+    t0 = db_now(engine)
+    rows = claim(engine, limit=6, owner="A", lease=5, now=t0)
+    t1 = t0 + timedelta(seconds=6)
+    [taken] = claim(engine, limit=1, owner="B", lease=5, now=t1)  # one taken over
+    leases = [(r.id, r.lease_token) for r in rows]
+    with StatementCounter(engine) as counter, engine.begin() as conn:
+        kept = sql.extend_leases(conn, leases, 30, now=t0 + timedelta(seconds=4))
+    assert len(counter.statements) == 1
+    assert kept == {r.id for r in rows} - {taken.id}
+    with engine.connect() as conn:
+        expiries = dict(conn.execute(text(
+            "SELECT id, lease_expires_at FROM outbox.effects")).all())
+    assert {expiries[i] for i in kept} == {t0 + timedelta(seconds=34)}
+    assert expiries[taken.id] == t1 + timedelta(seconds=5)
+
+
+def test_dispatcher_extends_many_leases_in_one_statement(engine: Engine) -> None:
+    add_effects(engine, keys("dext", 5), kind="block")
+    release = threading.Event()
+    reg = Registry()
+    reg.register("block", lambda e: release.wait(10) and {"ok": True})
+    t0 = db_now(engine)
+    clock_now = [t0]
+    d = Dispatcher(engine, reg, concurrency=5, lease=0.3, clock=lambda: clock_now[0])
+    try:
+        assert d.fill() == 5
+        time.sleep(0.15)  # lease/3 of wall time: every delivery is due an extension
+        clock_now[0] = t0 + timedelta(seconds=0.2)
+        with StatementCounter(engine) as counter:
+            d.extend_leases()
+        assert len(counter.statements) == 1
+        with engine.connect() as conn:
+            expiries = set(conn.execute(text(
+                "SELECT lease_expires_at FROM outbox.effects")).scalars())
+        assert expiries == {t0 + timedelta(seconds=0.5)}
+        release.set()
+        wait_until(lambda: (d.reap(), d.in_flight == 0)[1], 5)
+        assert status_counts(engine) == {"delivered": 5}
+    finally:
+        release.set()
+        d.shutdown(0)
+
+
+def test_f20_in_process_zombie_is_fenced(engine: Engine) -> None:
+    """A delivering Dispatcher whose lease was taken over records nothing but lease_lost."""
+    [eid] = add_effects(engine, ["zp"], kind="block")
+    release = threading.Event()
+    reg = Registry()
+    reg.register("block", lambda e: release.wait(10) and {"zombie": True})
+    t0 = db_now(engine)
+    zombie = Dispatcher(engine, reg, concurrency=1, lease=5, clock=lambda: t0,
+                        worker_id="zombie")
+    try:
+        assert zombie.fill() == 1
+        [live] = claim(engine, owner="live", lease=5, now=t0 + timedelta(seconds=6))
+        record(engine, [outcome_for(live, "delivered", "delivered", result='{"live": 1}')],
+               worker="live")
+        release.set()
+        wait_until(lambda: (zombie.reap(), zombie.in_flight == 0)[1], 5)
+    finally:
+        release.set()
+        zombie.shutdown(0)
+    assert zombie.stats.lease_lost == 1
+    row = effect_row(engine, "zp")
+    assert (row.status, row.attempts, row.result) == ("delivered", 2, {"live": 1})
+    assert [(a.worker, a.outcome) for a in attempts_of(engine, eid)] == [
+        ("zombie", "lease_lost"), ("live", "delivered")]
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def test_policy_decisions() -> None:
+    p = RetryPolicy()
+    assert p.decide(attempt=1, max_attempts=5, error=PermanentFailure("x")).outcome == "failed"
+    d = p.decide(attempt=1, max_attempts=5, error=TransientFailure("x"))
+    assert (d.outcome, d.next_status) == ("retry", "pending") and 0 <= d.delay <= 1
+    assert 0 <= p.decide(attempt=4, max_attempts=5, error=ValueError()).delay <= 8
+    assert p.decide(attempt=5, max_attempts=5, error=TransientFailure("x")) \
+        .next_status == "failed"
+    assert p.decide(attempt=1, max_attempts=5, error=RetryAfter(7)).delay == 7
+    amb = p.decide(attempt=1, max_attempts=5, error=AmbiguousOutcome("t"))
+    assert (amb.outcome, amb.next_status) == ("ambiguous", "pending")
+    park = p.decide(attempt=1, max_attempts=5, error=AmbiguousOutcome("t"), retry_safe=False)
+    assert (park.outcome, park.next_status) == ("ambiguous", "needs_review")
+    now = datetime.now(UTC)
+    late = p.decide(attempt=1, max_attempts=5, error=RetryAfter(60),
+                    retry_until=now + timedelta(seconds=30), now=now)
+    assert late.next_status == "failed"
+    custom = RetryPolicy(retry=retry_if_exception_type(TransientFailure))
+    assert custom.decide(attempt=1, max_attempts=5, error=KeyError()).next_status == "failed"
+
+
+@pytest.fixture
+def psp() -> Iterator[Receiver]:
+    with Receiver() as receiver:
+        yield receiver
+
+
+def _http_registry(url: str, timeout: float = 0.5) -> Registry:
+    reg = Registry()
+    reg.register("psp.charge", HttpHandler(f"{url}/charges", timeout=timeout))
+    reg.register("psp.unsafe", HttpHandler(f"{url}/charges", timeout=timeout),
+                 retry_safe=False)
+    reg.register("refused", HttpHandler("http://127.0.0.1:9/charges", timeout=timeout))
+    return reg
+
+
+def test_f22_http_classification_table(engine: Engine, psp: Receiver) -> None:
+    """Each receiver answer -> the attempt's outcome and the effect's next status (F22)."""
+    date_in_30s = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    # key: (rule, kind, expected attempt outcome, expected status, expected delay)
+    table: dict[str, tuple[dict[str, Any] | None, str, str, str, float | None]] = {
+        "s200": ({"mode": "status", "status": 200}, "psp.charge", "delivered", "delivered", None),
+        "s201": (None, "psp.charge", "delivered", "delivered", None),
+        "s400": ({"mode": "status", "status": 400}, "psp.charge", "failed", "failed", None),
+        "s404": ({"mode": "status", "status": 404}, "psp.charge", "failed", "failed", None),
+        "s408": ({"mode": "status", "status": 408}, "psp.charge", "retry", "pending", 60),
+        "s409": ({"mode": "status", "status": 409}, "psp.charge", "retry", "pending", 60),
+        "s422": ({"mode": "status", "status": 422}, "psp.charge", "failed", "failed", None),
+        "s425": ({"mode": "status", "status": 425}, "psp.charge", "retry", "pending", 60),
+        "s429": ({"mode": "status", "status": 429, "retry_after": "7"}, "psp.charge",
+                 "retry", "pending", 7),
+        "s429d": ({"mode": "status", "status": 429, "retry_after": date_in_30s},
+                  "psp.charge", "retry", "pending", 30),
+        "s500": ({"mode": "fail_500"}, "psp.charge", "retry", "pending", 60),
+        "s503": ({"mode": "status", "status": 503}, "psp.charge", "retry", "pending", 60),
+        "s503ra": ({"mode": "status", "status": 503, "retry_after": "5"}, "psp.charge",
+                   "retry", "pending", 5),
+        "apply500": ({"mode": "apply_then_500"}, "psp.charge", "retry", "pending", 60),
+        "timeout": ({"mode": "apply_then_timeout", "delay": 3}, "psp.charge", "ambiguous",
+                    "pending", 60),
+        "reset": ({"mode": "reset"}, "psp.charge", "ambiguous", "pending", 60),
+        "refused": (None, "refused", "retry", "pending", 60),
+        "unsafe-timeout": ({"mode": "apply_then_timeout", "delay": 3}, "psp.unsafe",
+                           "ambiguous", "needs_review", None),
+        "unsafe-ok": (None, "psp.unsafe", "delivered", "delivered", None),
+    }
+    for key, (rule, kind, *_rest) in table.items():
+        if rule is not None:
+            psp.set_mode(rule.pop("mode"), key=key, **rule)
+        add_effects(engine, [key], kind=kind, payload=lambda i, k: {"amount": i})
+    d = Dispatcher(engine, _http_registry(psp.url), concurrency=32, policy=NO_WAIT)
+    try:
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    got: dict[str, tuple[str, str, float | None]] = {}
+    with engine.connect() as conn:
+        for r in conn.execute(text(
+                "SELECT e.effect_key, e.status, a.outcome, a.http_status,"
+                " CASE WHEN e.status = 'pending'"
+                "      THEN extract(epoch FROM e.available_at - a.finished_at) END AS delay"
+                " FROM outbox.effects e JOIN outbox.attempts a ON a.effect_id = e.id")):
+            got[r.effect_key] = (r.outcome, r.status,
+                                 None if r.delay is None else round(float(r.delay)))
+    expected = {k: (v[2], v[3], v[4]) for k, v in table.items()}
+    # An HTTP date has one-second resolution: accept 29-30 s.
+    if got.get("s429d", (None, None, None))[2] == 29:
+        got["s429d"] = (got["s429d"][0], got["s429d"][1], 30)
+    assert got == expected
+    with engine.connect() as conn:
+        statuses = dict(conn.execute(text(
+            "SELECT e.effect_key, a.http_status FROM outbox.effects e"
+            " JOIN outbox.attempts a ON a.effect_id = e.id")).all())
+    assert statuses["s429"] == 429 and statuses["s422"] == 422 and statuses["s500"] == 500
+    assert statuses["timeout"] is None and statuses["refused"] is None
+    # The receiver saw every key exactly once, each with its effect key.
+    assert psp.stats()["deliveries"] == len(table) - 1  # "refused" never arrived
+
+
+def test_f21_ambiguous_outcome_is_retried_with_the_same_key_and_replayed(
+        engine: Engine, psp: Receiver) -> None:
+    for key, mode in (("amb-timeout", "apply_then_timeout"), ("amb-500", "apply_then_500"),
+                      ("amb-reset", "reset")):
+        psp.set_mode(mode, key=key, times=1, **({"delay": 3} if mode != "reset" else {}))
+    add_effects(engine, ["amb-timeout", "amb-500", "amb-reset"], kind="psp.charge")
+    t0 = db_now(engine)
+    clock = [t0 + timedelta(seconds=1)]
+    d = Dispatcher(engine, _http_registry(psp.url), concurrency=8, policy=NO_WAIT,
+                   clock=lambda: clock[0])
+    try:
+        d.drain(budget=10)
+        assert status_counts(engine) == {"pending": 3}
+        clock[0] += timedelta(seconds=61)
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    assert status_counts(engine) == {"delivered": 3}
+    ledger = psp.ledger()
+    per_key = {k["key"]: (k["deliveries"], k["applied"]) for k in ledger["keys"]}
+    assert per_key == {k: (2, 1) for k in ("amb-timeout", "amb-500", "amb-reset")}
+    attempts_sent = sorted((x["key"], x["attempt"]) for x in ledger["deliveries"])
+    assert attempts_sent == sorted((k, n) for k in per_key for n in ("1", "2"))
+    psp.assert_exactly_once(per_key)
+
+
+def test_f23_exhausted_attempts_fail_with_the_error_history(engine: Engine,
+                                                            psp: Receiver) -> None:
+    psp.set_mode("fail_500", key="poison")
+    [eid] = add_effects(engine, ["poison"], kind="psp.charge", max_attempts=3)
+    add_effects(engine, keys("fine", 20), kind="psp.charge")
+    t0 = db_now(engine)
+    clock = [t0]
+    d = Dispatcher(engine, _http_registry(psp.url), concurrency=8,
+                   policy=RetryPolicy(wait=wait_fixed(10)), clock=lambda: clock[0])
+    try:
+        for _ in range(4):  # one more round than attempts: nothing left to do then
+            d.drain(budget=10)
+            clock[0] += timedelta(seconds=11)
+    finally:
+        d.shutdown(0)
+    row = effect_row(engine, "poison")
+    assert (row.status, row.attempts) == ("failed", 3)
+    assert row.last_error.startswith("TransientFailure: HTTP 500")
+    history = attempts_of(engine, eid)
+    assert [(a.attempt, a.outcome, a.http_status) for a in history] == [
+        (1, "retry", 500), (2, "retry", 500), (3, "failed", 500)]
+    assert all(a.error.startswith("TransientFailure: HTTP 500") for a in history)
+    assert status_counts(engine) == {"delivered": 20, "failed": 1}
+    assert psp.ledger("poison")["keys"][0]["deliveries"] == 3
+    psp.assert_exactly_once(keys("fine", 20))
+
+
+def test_retry_until_stops_retries_by_the_dispatcher_clock(engine: Engine,
+                                                           psp: Receiver) -> None:
+    """F24 shape: retry_for bounds the retries; the decision uses the injected clock."""
+    psp.set_mode("fail_500", key="horizon")
+    [eid] = add_effects(engine, ["horizon"], kind="psp.charge", retry_for=30)
+    t0 = db_now(engine)
+    clock = [t0]
+    d = Dispatcher(engine, _http_registry(psp.url), concurrency=2,
+                   policy=RetryPolicy(wait=wait_fixed(10)), clock=lambda: clock[0])
+    try:
+        for _ in range(6):
+            d.drain(budget=10)
+            clock[0] += timedelta(seconds=11)
+    finally:
+        d.shutdown(0)
+    history = [a.outcome for a in attempts_of(engine, eid)]
+    # attempts at t0, +11, +22; the third would wait until +32 >= retry_until (+30).
+    assert history == ["retry", "retry", "failed"]
+    assert effect_row(engine, "horizon").status == "failed"
+
+
+def test_expired_lease_past_retry_until_is_dead_lettered_not_rescued(engine: Engine) -> None:
+    add_effects(engine, ["horizon2"], retry_for=10)
+    t0 = db_now(engine)
+    claim(engine, owner="dead", lease=5, now=t0)
+    later = t0 + timedelta(seconds=11)
+    assert claim(engine, owner="B", now=later) == []
+    with engine.begin() as conn:
+        assert len(sql.fail_exhausted_leases(conn, now=later)) == 1
+    assert effect_row(engine, "horizon2").status == "failed"
+
+
+def test_unknown_kind_is_retried_not_dropped(engine: Engine) -> None:
+    [eid] = add_effects(engine, ["mystery"], kind="no.such.kind")
+    d = Dispatcher(engine, Registry(), concurrency=1, policy=NO_WAIT)
+    try:
+        d.drain(budget=5)
+    finally:
+        d.shutdown(0)
+    row = effect_row(engine, "mystery")
+    assert (row.status, row.attempts) == ("pending", 1)
+    [a] = attempts_of(engine, eid)
+    assert a.outcome == "retry" and "no handler registered" in a.error
+
+
+# --------------------------------------------------------------------------- F31
+
+
+def test_f31_claim_takes_only_the_head_of_each_ordering_key(engine: Engine) -> None:
+    a = add_effects(engine, keys("A", 3), ordering_key=lambda i, k: "A")
+    b = add_effects(engine, keys("B", 3), ordering_key=lambda i, k: "B")
+    [u] = add_effects(engine, ["U"])
+    t0 = db_now(engine)
+    heads = claim(engine, limit=10, now=t0)
+    assert sorted(r.id for r in heads) == [a[0], b[0], u]
+    assert claim(engine, limit=10, now=t0) == []  # one in flight per key
+    by_id = {r.id: r for r in heads}
+    record(engine, [outcome_for(by_id[a[0]], "retry", "pending", delay=60.0),
+                    outcome_for(by_id[b[0]], "delivered", "delivered"),
+                    outcome_for(by_id[u], "delivered", "delivered")], now=t0)
+    [nxt] = claim(engine, limit=10, now=t0)  # A's head waits for its retry: A is blocked
+    assert nxt.id == b[1]
+    record(engine, [outcome_for(nxt, "delivered", "delivered")], now=t0)
+    later = t0 + timedelta(seconds=61)
+    got = claim(engine, limit=10, now=later)
+    assert sorted(r.id for r in got) == [a[0], b[2]]
+    by_id = {r.id: r for r in got}
+    # A's head is dead-lettered: A stays blocked (visible to operators), B is unaffected.
+    record(engine, [outcome_for(by_id[a[0]], "failed", "failed", error="HTTP 422"),
+                    outcome_for(by_id[b[2]], "delivered", "delivered")], now=later)
+    assert claim(engine, limit=10, now=later) == []
+    with engine.begin() as conn:  # the operator cancels the dead head: A flows again
+        conn.execute(text("UPDATE outbox.effects SET status = 'cancelled' WHERE id = :i"),
+                     {"i": a[0]})
+    assert [r.id for r in claim(engine, limit=10, now=later)] == [a[1]]
+
+
+def test_f31_failing_head_blocks_only_its_key_through_the_dispatcher(
+        engine: Engine, psp: Receiver) -> None:
+    psp.set_mode("fail_500", key="K1-000000")
+    for name in ("K1", "K2", "K3"):
+        add_effects(engine, keys(name, 5), kind="psp.charge",
+                    payload=lambda i, k: {"ordering_key": k[:2], "seq": i},
+                    ordering_key=lambda i, k: k[:2])
+    d = Dispatcher(engine, _http_registry(psp.url), concurrency=8, policy=NO_WAIT)
+    try:
+        for _ in range(3):
+            d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    ordering = psp.ledger()["ordering"]
+    assert ordering == {"K2": [0, 1, 2, 3, 4], "K3": [0, 1, 2, 3, 4]}
+    with engine.connect() as conn:
+        k1 = conn.execute(text(
+            "SELECT status, attempts FROM outbox.effects WHERE ordering_key = 'K1'"
+            " ORDER BY id")).all()
+    assert [tuple(r) for r in k1] == [("pending", 1)] + [("pending", 0)] * 4
+
+
+# --------------------------------------------------------------------------- clock, loop
+
+
+def test_injected_clock_expires_a_crashed_workers_lease(engine: Engine) -> None:
+    [eid] = add_effects(engine, ["crashed"])
+    t0 = db_now(engine)
+    claim(engine, owner="crashed-worker", lease=30, now=t0)  # then it died
+    early = Dispatcher(engine, _noop_registry(), lease=30,
+                       clock=lambda: t0 + timedelta(seconds=29))
+    late = Dispatcher(engine, _noop_registry(), lease=30,
+                      clock=lambda: t0 + timedelta(seconds=31))
+    try:
+        early.drain(budget=2)
+        assert early.stats.claimed == 0
+        late.drain(budget=2)
+        assert late.stats.claimed == 1
+    finally:
+        early.shutdown(0)
+        late.shutdown(0)
+    row = effect_row(engine, "crashed")
+    assert (row.status, row.attempts) == ("delivered", 2)
+    assert [a.outcome for a in attempts_of(engine, eid)] == ["delivered"]
+
+
+def _noop_registry() -> Registry:
+    reg = Registry()
+    reg.register("noop", lambda e: {"ok": e.key})
+    return reg
+
+
+def test_run_survives_database_errors_while_claiming(engine: Engine,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """F25/F26: a claim that fails (server gone, connection killed) must not kill the loop."""
+    add_effects(engine, keys("dberr", 10))
+    d = Dispatcher(engine, _noop_registry(), concurrency=4)
+    real = d._claim
+    failures = [3]
+
+    def flaky(limit: int) -> list[Any]:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise OperationalError("claim", {}, Exception("terminating connection"))
+        return real(limit)
+
+    monkeypatch.setattr(d, "_claim", flaky)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            d.run(stop, poll_interval=0.05, grace=1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        wait_until(lambda: status_counts(engine) == {"delivered": 10} or errors, 10)
+    finally:
+        stop.set()
+        t.join(5)
+    assert errors == [] and failures == [0]
+    assert status_counts(engine) == {"delivered": 10}
+
+
+def test_shutdown_releases_unfinished_deliveries_for_immediate_redelivery(
+        engine: Engine) -> None:
+    """F30 in-process: after `grace`, in-flight effects go back to pending, due now."""
+    add_effects(engine, ["quick"], kind="noop")
+    add_effects(engine, ["stuck"], kind="block")
+    release = threading.Event()
+    reg = _noop_registry()
+    reg.register("block", lambda e: release.wait(10) and {"late": True})
+    d = Dispatcher(engine, reg, concurrency=4, lease=30)
+    try:
+        assert d.fill() == 2
+        wait_until(lambda: (d.reap(), d.in_flight == 1)[1], 5)
+        t = time.monotonic()
+        d.shutdown(grace=0.3)
+        assert 0.3 <= time.monotonic() - t < 5
+    finally:
+        release.set()
+    stuck = effect_row(engine, "stuck")
+    assert (stuck.status, stuck.lease_token) == ("pending", None)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT available_at <= now() FROM outbox.effects"
+                                 " WHERE effect_key = 'stuck'")).scalar_one()
+    [a] = attempts_of(engine, stuck.id)
+    # The request may have gone out: an ambiguous attempt, retried with the same key.
+    assert a.outcome == "ambiguous" and a.error.startswith("released")
+    assert (a.finished_at - a.started_at).total_seconds() >= 0.3  # the real start
+    assert effect_row(engine, "quick").status == "delivered"
+    # the released delivery's late result is not recorded over the release
+    time.sleep(0.1)
+    assert len(attempts_of(engine, stuck.id)) == 1
+
+
+def test_handler_sees_the_same_key_and_increasing_attempts(engine: Engine) -> None:
+    seen: list[tuple[str, int, int]] = []
+
+    def flaky(effect: EffectContext) -> dict[str, Any]:
+        seen.append((effect.key, effect.attempt, effect.max_attempts))
+        if effect.attempt < 3:
+            raise TransientFailure("not yet")
+        return {"ok": True}
+
+    reg = Registry()
+    reg.register("flaky", flaky)
+    add_effects(engine, ["same-key"], kind="flaky", max_attempts=5)
+    t0 = db_now(engine)
+    clock = [t0]
+    d = Dispatcher(engine, reg, policy=RetryPolicy(wait=wait_fixed(5)), clock=lambda: clock[0])
+    try:
+        for _ in range(3):
+            d.drain(budget=3)
+            clock[0] += timedelta(seconds=6)
+    finally:
+        d.shutdown(0)
+    assert seen == [("same-key", 1, 5), ("same-key", 2, 5), ("same-key", 3, 5)]
+    assert effect_row(engine, "same-key").status == "delivered"
+
+
+def test_shutdown_parks_a_released_delivery_that_is_not_retry_safe(engine: Engine) -> None:
+    """Released mid-delivery = ambiguous: a non-idempotent receiver's effect is parked
+    for review instead of being redelivered blindly."""
+    add_effects(engine, ["unsafe-stuck"], kind="unsafe")
+    release = threading.Event()
+    reg = Registry()
+    reg.register("unsafe", lambda e: release.wait(10) and {"late": True}, retry_safe=False)
+    d = Dispatcher(engine, reg, concurrency=1)
+    try:
+        assert d.fill() == 1
+        d.shutdown(grace=0.1)
+    finally:
+        release.set()
+    row = effect_row(engine, "unsafe-stuck")
+    assert (row.status, row.lease_token) == ("needs_review", None)
+    assert [a.outcome for a in attempts_of(engine, row.id)] == ["ambiguous"]
+
+
+def test_shutdown_keeps_an_outcome_that_finished_before_the_release(engine: Engine) -> None:
+    """A delivery that finished after the last reap is recorded once, not also released."""
+    [eid] = add_effects(engine, ["done-not-reaped"])
+    d = Dispatcher(engine, _noop_registry(), concurrency=2)
+    assert d.fill() == 1
+    wait_until(lambda: d._done, 5)  # finished, outcome queued, not reaped yet
+    d.shutdown(grace=0)
+    assert [a.outcome for a in attempts_of(engine, eid)] == ["delivered"]
+    assert effect_row(engine, "done-not-reaped").status == "delivered"
+
+
+def test_run_does_not_spin_when_saturated_and_rung(engine: Engine) -> None:
+    """A doorbell (NOTIFY) while every slot is busy must not turn the loop into a busy
+    wait until a slot frees up (it burnt a core per saturated worker)."""
+    add_effects(engine, ["busy"], kind="block")
+    release = threading.Event()
+    reg = Registry()
+    reg.register("block", lambda e: release.wait(10) and {"ok": True})
+    d = Dispatcher(engine, reg, concurrency=1)
+    stop = threading.Event()
+    ticks = [0]
+
+    def tick() -> None:
+        ticks[0] += 1
+
+    t = threading.Thread(target=d.run, args=(stop,),
+                         kwargs={"poll_interval": 1.0, "grace": 0, "on_tick": tick})
+    t.start()
+    try:
+        wait_until(lambda: d.in_flight == 1, 5)
+        ticks[0] = 0
+        d.wake.set()  # NOTIFY for more work, while the only slot is busy
+        time.sleep(1.0)
+        spins = ticks[0]
+    finally:
+        release.set()
+        stop.set()
+        t.join(5)
+    assert spins <= 10, f"{spins} loop iterations in 1 s while saturated"
+    assert effect_row(engine, "busy").status == "delivered"
