@@ -218,6 +218,17 @@ def cmd_example_api(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run a benchmark script from a source checkout; it prints JSON lines."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path.cwd() / "bench" / f"bench_{args.which}.py"
+    if not script.exists():
+        raise UsageError(f"{script} not found: run `outbox bench` from a source checkout")
+    return subprocess.call([sys.executable, str(script), *args.rest])
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from examples.payments.demo import main as demo_main
 
@@ -276,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--host", default="127.0.0.1")
     e.add_argument("--port", type=int, default=8000)
     e.set_defaults(fn=cmd_example_api)
+
+    b = sub.add_parser("bench", help="run a benchmark (guard, dispatch, inbox); prints JSON")
+    b.add_argument("which", choices=("guard", "dispatch", "inbox"))
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the script")
+    b.set_defaults(fn=cmd_bench)
 
     d = sub.add_parser("demo", help="the whole promise, with crashes, in under a minute")
     d.add_argument("--short", action="store_true", help="a quick run (tests use it)")
