@@ -6,7 +6,9 @@
     │   ├── InvalidIdempotencyKey    400: missing, empty, too long, control chars
     │   ├── InvalidRequestBody       400: not JSON, NaN, duplicate members, ...
     │   │   └── RequestBodyTooLarge  413
-    │   └── InvalidEvent             400: a bad incoming event (ingestion)
+    │   ├── InvalidEvent             400: a bad incoming event (ingestion)
+    │   ├── UnsupportedMediaType     415: not JSON, other charset, compressed
+    │   └── InvalidTenant            400: unusable tenant header (HTTP scope)
     ├── IdempotencyConflict          the key cannot be used for this request now
     │   ├── RequestInProgress        409 + Retry-After: a twin holds the key
     │   ├── KeyReused                422: same key, different request
@@ -55,6 +57,19 @@ class RequestBodyTooLarge(InvalidRequestBody):
 
 class InvalidEvent(InvalidInput):
     code = "invalid_event"
+
+
+class UnsupportedMediaType(InvalidInput):
+    """415: the body is not JSON, not UTF-8, or compressed (we never inflate bodies)."""
+
+    status = 415
+    code = "unsupported_media_type"
+
+
+class InvalidTenant(InvalidInput):
+    """400: the tenant header is unusable as a scope (control chars, too long, twice)."""
+
+    code = "invalid_tenant"
 
 
 class IdempotencyConflict(OutboxError):

@@ -70,8 +70,10 @@ from outbox.errors import (
     IdempotencyConflict,
     InvalidInput,
     InvalidRequestBody,
+    InvalidTenant,
     RequestBodyTooLarge,
     RequestInProgress,
+    UnsupportedMediaType,
 )
 
 __all__ = [
@@ -116,19 +118,6 @@ MAX_TENANT_LENGTH = 200
 def problem_type(code: str | None) -> str:
     """The `type` URI for a problem code; `about:blank` for a plain HTTP status."""
     return f"{PROBLEM_TYPE_BASE}{code}" if code else "about:blank"
-
-
-class UnsupportedMediaType(InvalidInput):
-    """415: the body is not JSON, not UTF-8, or compressed (we never inflate bodies)."""
-
-    status = 415
-    code = "unsupported_media_type"
-
-
-class InvalidTenant(InvalidInput):
-    """400: the tenant header is unusable as a scope (control chars, too long, twice)."""
-
-    code = "invalid_tenant"
 
 
 class ProblemResponse(JSONResponse):
