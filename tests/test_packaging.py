@@ -1,0 +1,68 @@
+"""`outbox migrate` works from a built wheel installed non-editable, in any folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.pool import NullPool
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_wheel_ships_migrations_and_migrates_outside_the_checkout(
+        tmp_path: Path, db_url: str) -> None:
+    dist = tmp_path / "dist"
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "-w", str(dist), str(ROOT)], capture_output=True, text=True, timeout=300)
+    if built.returncode != 0 and "No module named pip" in built.stderr:
+        built = subprocess.run(["uv", "build", "--wheel", "-o", str(dist), str(ROOT)],
+                               capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    wheel = next(dist.glob("*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "outbox/_migrations/env.py" in names
+    assert "outbox/_migrations/versions/0001_initial.py" in names
+    assert "outbox/_migrations/script.py.mako" in names
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "zipfile", "-e", str(wheel), str(target)],
+                   check=True, timeout=60)
+    # A fresh database, migrated by the installed copy run from a folder that is not
+    # the checkout: only the wheel's files can be found (dependencies from our venv).
+    name = f"outbox_wheel_{os.getpid()}"
+    admin = create_engine(make_url(db_url), isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(db_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        env = {"PATH": "/usr/bin:/bin", "DATABASE_URL": url,
+               "PYTHONPATH": f"{target}{os.pathsep}{sysconfig.get_paths()['purelib']}"}
+        done = subprocess.run(
+            [sys.executable, "-I", "-c",
+             "import sys; sys.path[:0] = __import__('os').environ['PYTHONPATH'].split(':');"
+             "from dispatcher.cli import main; sys.exit(main(['migrate']))"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        probe = subprocess.run(
+            [sys.executable, "-I", "-c",
+             "import sys; sys.path[:0] = __import__('os').environ['PYTHONPATH'].split(':');"
+             "import outbox; print(outbox.__file__)"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert probe.stdout.startswith(str(target)), probe.stdout + probe.stderr
+        with create_engine(url, poolclass=NullPool).connect() as conn:
+            assert conn.execute(text(
+                "SELECT version_num FROM outbox.alembic_version")).scalar_one() == "0001"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
