@@ -45,5 +45,8 @@ def make_engine(url: str | None = None, *, application_name: str = "outbox",
     target = make_url(normalize_url(url or database_url()))
     connect_args = dict(kwargs.pop("connect_args", {}))
     connect_args.setdefault("application_name", application_name)
+    # A server that accepts the TCP connection but never answers must not hang a
+    # request or a worker's claim on the kernel's TCP timeouts.
+    connect_args.setdefault("connect_timeout", 10)
     kwargs.setdefault("pool_pre_ping", True)
     return create_engine(target, connect_args=connect_args, **kwargs)
