@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -42,6 +43,31 @@ def _crashpoint(name: str) -> None:
     points = os.environ.get("OUTBOX_CRASH_AT")
     if points and name in points.split(","):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# What a handler or receiver hands us is stored by the batch's one record statement:
+# a value PostgreSQL refuses (NUL in text, \u0000 or a lone surrogate in jsonb, NaN,
+# an int4 overflow) failed the whole batch, dropping every outcome in it, and a lone
+# surrogate raised UnicodeEncodeError (no DBAPIError) out of flush(), ending the loop.
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def _db_text(value: str) -> str:
+    """Text PostgreSQL accepts: no NUL, no lone surrogates."""
+    return value.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
+def _jsonb_text(value: Any) -> str:
+    """JSON text that `CAST(... AS jsonb)` accepts, whatever `value` holds."""
+    try:
+        out = json.dumps(value, default=str, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError):  # NaN, non-string keys, cycles: keep a summary
+        out = json.dumps(repr(value)[:2000], ensure_ascii=False)
+    return _NUL_ESCAPE.sub(r"\1\\ufffd", _db_text(out))
+
+
+def _http_status(value: object) -> int | None:
+    return value if isinstance(value, int) and 100 <= value <= 999 else None
 
 
 def default_worker_id() -> str:
@@ -116,6 +142,13 @@ class Dispatcher:
         self._done: list[sql.Outcome] = []
         self._done_lock = threading.Lock()
         self._released: set[int] = set()  # released at shutdown: drop late outcomes
+        # Lease tokens whose outcome `_finished` has queued (tokens, not ids: a rescue of
+        # our own expired lease puts the same id in flight again). `Future.done()` turns
+        # true before the done-callbacks run, so reaping on done() could forget a
+        # delivery whose outcome was not queued yet: shutdown (or the end of a drain)
+        # then returned without recording it, and the delivered effect was redelivered
+        # after its lease.
+        self._reported: set[uuid.UUID] = set()
         self.wake = threading.Event()
         self._last_extend = time.monotonic()
 
@@ -210,7 +243,8 @@ class Dispatcher:
                     retry_safe=registration.retry_safe if registration else True,
                     retry_until=row.retry_until, now=self.clock() or datetime.now(UTC))
                 detail = exc.detail if isinstance(exc, DeliveryError) else None
-                http_status = exc.http_status if isinstance(exc, DeliveryError) else None
+                http_status = _http_status(
+                    exc.http_status if isinstance(exc, DeliveryError) else None)
                 span.set_attribute("outbox.outcome", decision.outcome)
                 if http_status is not None:
                     span.set_attribute("http.response.status_code", http_status)
@@ -221,8 +255,8 @@ class Dispatcher:
                     effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
                     outcome=decision.outcome, next_status=decision.next_status,
                     started_at=started_at, delay=decision.delay,
-                    error=f"{type(exc).__name__}: {exc}"[:2000],
-                    result=json.dumps(detail, default=str) if detail is not None else None,
+                    error=_db_text(f"{type(exc).__name__}: {exc}"[:2000]),
+                    result=_jsonb_text(detail) if detail is not None else None,
                     http_status=http_status, trace_id=trace_id)
             duration = time.perf_counter() - t0
             span.set_attribute("outbox.outcome", "delivered")
@@ -234,8 +268,8 @@ class Dispatcher:
             return sql.Outcome(
                 effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
                 outcome="delivered", next_status="delivered", started_at=started_at,
-                result=json.dumps(result, default=str) if result is not None else None,
-                http_status=status if isinstance(status, int) else None, trace_id=trace_id)
+                result=_jsonb_text(result) if result is not None else None,
+                http_status=_http_status(status), trace_id=trace_id)
 
     def _finished(self, row: Row[Any], future: Future[sql.Outcome]) -> None:
         try:
@@ -245,11 +279,13 @@ class Dispatcher:
             outcome = sql.Outcome(
                 effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
                 outcome="retry", next_status="pending", started_at=datetime.now(UTC),
-                delay=min(60.0, 2.0 ** row.attempts), error=f"{type(exc).__name__}: {exc}")
+                delay=min(60.0, 2.0 ** row.attempts),
+                error=_db_text(f"{type(exc).__name__}: {exc}"[:2000]))
         with self._done_lock:
             if row.id in self._released:
                 return  # released at shutdown; recording this too would double the attempt
             self._done.append(outcome)
+            self._reported.add(row.lease_token)
         self.wake.set()
 
     def _fill_or_back_off(self) -> int | None:
@@ -284,7 +320,11 @@ class Dispatcher:
 
     def reap(self) -> int:
         """Forget finished deliveries and record their outcomes; returns how many."""
-        finished = [i for i, f in self._inflight.items() if f.future and f.future.done()]
+        with self._done_lock:  # only those whose outcome is queued (see _reported)
+            finished = [i for i, f in self._inflight.items()
+                        if f.row.lease_token in self._reported]
+            self._reported.difference_update(self._inflight[i].row.lease_token
+                                             for i in finished)
         for i in finished:
             del self._inflight[i]
         self.flush()

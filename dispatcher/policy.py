@@ -36,6 +36,7 @@ class RetryPolicy:
     def __init__(self, *, wait: wait_base | None = None, retry: RetryBase | None = None,
                  max_wait: float = 3600.0) -> None:
         self.wait = wait or wait_random_exponential(multiplier=1, max=max_wait)
+        self.max_wait = max_wait
         self.retry = retry or retry_if_not_exception_type(PermanentFailure)
 
     def _state(self, attempt: int, error: BaseException) -> RetryCallState:
@@ -56,7 +57,11 @@ class RetryPolicy:
             return Decision("failed", "failed")
         if attempt >= max_attempts:
             return Decision("failed", "failed")
-        delay = error.delay if isinstance(error, RetryAfter) else float(self.wait(state))
+        # A receiver's Retry-After is honoured up to `max_wait`: it is receiver input,
+        # "1e400" parses to inf and 1e13 s overflows timestamptz, and either made the
+        # batch's one record statement fail (every outcome in it dropped).
+        delay = (min(error.delay, self.max_wait) if isinstance(error, RetryAfter)
+                 else float(self.wait(state)))
         if retry_until is not None and now is not None \
                 and now + timedelta(seconds=delay) >= retry_until:
             return Decision("failed", "failed")

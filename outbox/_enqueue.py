@@ -104,7 +104,10 @@ def _ring_after_commit(target: Connectable, conn: Connection, queues: set[str]) 
 
 
 def _notify_once(conn: Connection, queues: set[str]) -> None:
-    txn = conn.get_transaction()
+    # Per innermost transaction: a NOTIFY sent inside a savepoint that rolls back is
+    # discarded with it, so a later enqueue in the enclosing transaction must send
+    # its own (PostgreSQL folds repeated identical NOTIFYs of one transaction).
+    txn = conn.get_nested_transaction() or conn.get_transaction()
     info = conn.info
     if info.get("outbox.txn") is not txn:
         info["outbox.txn"] = txn
@@ -158,6 +161,9 @@ def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
         unique: dict[str, dict[str, Any]] = {}
         for row in rows:
             unique.setdefault(row["key"], row)
+        ordering_keys = [r["ordering_key"] for r in unique.values() if r["ordering_key"]]
+        if ordering_keys:  # per-key FIFO needs ids in commit order (see the statement)
+            sql.lock_ordering_keys(conn, ordering_keys)
         inserted = sql.insert_effects(conn, list(unique.values()), now=clock())
         missing = [k for k in unique if k not in inserted]
         existing = sql.ids_by_key(conn, missing) if missing else {}

@@ -52,6 +52,26 @@ def insert_effects(conn: Connection, rows: Sequence[dict[str, Any]],
     return {row.effect_key: row.id for row in conn.execute(_INSERT_EFFECTS, params)}
 
 
+# Ids come from a sequence at INSERT, visibility at COMMIT: two transactions enqueueing
+# for one ordering key could commit out of id order, and the claim's head check (lower
+# ids only) then let the later id run first and both be in flight at once. Holding a
+# per-key lock until commit makes ids of one ordering key follow commit order. The
+# two-int form is a key space of its own (the idempotency guard uses the bigint form);
+# a hashtext collision only makes two keys' producers wait on each other.
+_LOCK_ORDERING_KEYS = text(
+    """
+    SELECT count(pg_advisory_xact_lock(1869640047, h))
+      FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest(CAST(:keys AS text[])) AS u(k)
+             ORDER BY h) AS s
+    """
+)
+
+
+def lock_ordering_keys(conn: Connection, ordering_keys: Sequence[str]) -> None:
+    """Wait for (then hold until commit) the producer lock of each ordering key."""
+    conn.execute(_LOCK_ORDERING_KEYS, {"keys": sorted(set(ordering_keys))})
+
+
 _IDS_BY_KEY = text("SELECT effect_key, id FROM outbox.effects WHERE effect_key = ANY(:keys)")
 
 
@@ -187,6 +207,9 @@ def cancel(conn: Connection, ids: Sequence[int], now: datetime | None = None) ->
     return [r.id for r in conn.execute(_CANCEL, {"ids": list(ids), "now": now})]
 
 
+# The status test is repeated on the DELETE itself: READ COMMITTED re-checks only the
+# DELETE's own WHERE on a row changed since the snapshot, so an `outbox retry` of a
+# cancelled effect committed meanwhile (now pending) must fail it, not be deleted.
 _PURGE_FINISHED = text(
     f"""
     DELETE FROM outbox.effects
@@ -196,6 +219,8 @@ _PURGE_FINISHED = text(
               AND status IN ('delivered', 'cancelled')
             ORDER BY finished_at
             LIMIT :batch))
+       AND status IN ('delivered', 'cancelled')
+       AND finished_at < {_NOW} - make_interval(secs => :older_than)
     """
 )
 

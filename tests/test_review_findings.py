@@ -1,0 +1,264 @@
+"""Regression tests for the adversarial review's findings (one test per bug).
+
+Each test forces the interleaving or input that broke a guarantee, on real PostgreSQL,
+with explicit connections (row locks and commits in a chosen order) instead of sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine, make_url, text
+
+from dispatcher import Dispatcher, HttpHandler, Registry
+from dispatcher.handlers import EffectContext
+from outbox import Effect, enqueue_many
+from outbox.sql import dispatch as sql
+from outbox.sql import effects as effects_sql
+from tests.dispatch_support import (
+    add_effects,
+    attempts_of,
+    effect_row,
+    wait_until,
+)
+
+
+def _blocked_on_lock(engine: Engine, pid: int) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
+            {"p": pid}).scalar())
+
+
+# ------------------------------------------------------------------ purge vs. requeue
+
+
+def test_purge_does_not_delete_an_effect_requeued_while_it_ran(engine: Engine) -> None:
+    """`outbox retry` of an old cancelled effect racing `outbox purge`.
+
+    The purge picks the row while it is `cancelled`, then blocks on the requeue's row
+    lock; once the requeue commits, READ COMMITTED re-checks only the DELETE's own
+    WHERE. Before the fix that was `id = ANY(<ids chosen earlier>)`, still true: the
+    now-pending effect was deleted, an operator's retry silently lost.
+    """
+    [eid] = add_effects(engine, ["old-cancelled"])
+    with engine.begin() as conn:
+        conn.execute(text(
+            "UPDATE outbox.effects SET status = 'cancelled',"
+            " finished_at = now() - interval '2 days' WHERE id = :i"), {"i": eid})
+    requeuer = engine.connect()
+    purger = engine.connect()
+    try:
+        requeuer.begin()
+        assert effects_sql.requeue(requeuer, [eid]) == [eid]  # row locked, uncommitted
+        purger_pid = purger.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        purger.commit()
+        result: list[int] = []
+
+        def purge() -> None:
+            with purger.begin():
+                result.append(effects_sql.purge_finished_effects(purger, 86_400, 100))
+
+        t = threading.Thread(target=purge)
+        t.start()
+        wait_until(lambda: _blocked_on_lock(engine, purger_pid), 5,
+                   message="the purge to wait on the requeue's row lock")
+        requeuer.commit()
+        t.join(10)
+        assert not t.is_alive()
+    finally:
+        requeuer.close()
+        purger.close()
+    assert result == [0]
+    assert effect_row(engine, "old-cancelled").status == "pending"
+
+
+# ------------------------------------------------------------ receiver data vs. record
+
+
+def _registry(kind: str, handler: Callable[[EffectContext], Any]) -> Registry:
+    reg = Registry()
+    reg.register(kind, handler)
+    reg.register("noop", lambda e: {"ok": True})
+    return reg
+
+
+def test_nul_in_a_receivers_answer_does_not_drop_the_batch(engine: Engine) -> None:
+    """A 2xx body with U+0000 (receiver-controlled) made the batch's one INSERT fail:
+    jsonb refuses \\u0000. Every outcome of the batch was dropped, so the delivered
+    effect and its innocent batch-mates were redelivered until their attempts ran out
+    and were then dead-lettered although delivered."""
+    def nul_body(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b'{"id":"a\\u0000b"}\x00tail')
+
+    handler = HttpHandler("http://psp.invalid/charge",
+                          client=httpx.Client(transport=httpx.MockTransport(nul_body)))
+    [bad] = add_effects(engine, ["nul-answer"], kind="psp.charge")
+    good = add_effects(engine, ["mate-1", "mate-2"], kind="noop")
+    d = Dispatcher(engine, _registry("psp.charge", handler), concurrency=4)
+    try:
+        d.drain(budget=5)
+    finally:
+        d.shutdown(0)
+    for eid in (bad, *good):
+        assert [a.outcome for a in attempts_of(engine, eid)] == ["delivered"]
+    assert effect_row(engine, "nul-answer").status == "delivered"
+    assert effect_row(engine, "mate-1").status == "delivered"
+
+
+@pytest.mark.parametrize("char", ["\x00", "\udc80"], ids=["nul", "lone-surrogate"])
+def test_odd_characters_in_an_error_message_do_not_drop_the_batch(engine: Engine,
+                                                                  char: str) -> None:
+    """NUL made the batch fail (DataError: dropped after 10 s of retries); a lone
+    surrogate (say, bytes decoded with surrogateescape) raised UnicodeEncodeError,
+    which is not a DBAPIError: it escaped `flush` and ended `drain`/`run`, so the
+    worker died on every redelivery of that effect."""
+    def boom(effect: EffectContext) -> Any:
+        raise RuntimeError(f"receiver said: {char}")
+
+    [bad] = add_effects(engine, ["nul-error"], kind="boom")
+    [mate] = add_effects(engine, ["mate"], kind="noop")
+    d = Dispatcher(engine, _registry("boom", boom), concurrency=4)
+    try:
+        d.drain(budget=5)
+    finally:
+        d.shutdown(0)
+    assert [a.outcome for a in attempts_of(engine, bad)] == ["retry"]
+    assert effect_row(engine, "nul-error").status == "pending"
+    assert [a.outcome for a in attempts_of(engine, mate)] == ["delivered"]
+
+
+def test_huge_retry_after_does_not_drop_the_batch(engine: Engine) -> None:
+    """`Retry-After: 1e400` parses to inf (and 1e13 overflows timestamptz): the record
+    statement failed with "interval/timestamp out of range", dropping the batch."""
+    values = iter(["1e400", "10000000000000"])
+
+    def throttled(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(429, headers={"Retry-After": next(values)})
+
+    handler = HttpHandler("http://psp.invalid/charge",
+                          client=httpx.Client(transport=httpx.MockTransport(throttled)))
+    bad = add_effects(engine, ["inf-1", "huge-2"], kind="psp.charge")
+    [mate] = add_effects(engine, ["mate"], kind="noop")
+    d = Dispatcher(engine, _registry("psp.charge", handler), concurrency=4)
+    try:
+        d.drain(budget=5)
+    finally:
+        d.shutdown(0)
+    for eid in bad:
+        assert [a.outcome for a in attempts_of(engine, eid)] == ["retry"]
+    assert [a.outcome for a in attempts_of(engine, mate)] == ["delivered"]
+    with engine.connect() as conn:
+        waits = conn.execute(text(
+            "SELECT extract(epoch FROM available_at - now()) FROM outbox.effects"
+            " WHERE status = 'pending'")).scalars().all()
+    assert len(waits) == 2 and all(0 < w <= 3600 + 5 for w in waits)
+
+
+# ------------------------------------------------------- shutdown vs. done callback
+
+
+def test_shutdown_records_an_outcome_whose_callback_ran_late(engine: Engine,
+                                                            monkeypatch: Any) -> None:
+    """`Future.done()` turns true before the done-callbacks run. `reap` forgot such a
+    delivery, and `shutdown` (or the end of a Celery `drain`) returned before the
+    callback queued its outcome: a delivered effect stayed in flight until its lease
+    expired and was then delivered again (twice at a retry_safe=False receiver)."""
+    [eid] = add_effects(engine, ["late-callback"], kind="gated")
+    gate = threading.Event()
+    d = Dispatcher(engine, _registry("gated", lambda e: gate.wait(5) and {"ok": True}),
+                   concurrency=1)
+    original = d._finished
+    callback_may_run = threading.Event()
+
+    def slow_finished(row: Any, future: Future[sql.Outcome]) -> None:
+        callback_may_run.wait(5)  # the pool thread preempted right after set_result
+        original(row, future)
+
+    monkeypatch.setattr(d, "_finished", slow_finished)
+    assert d.fill() == 1
+    item = d._inflight[eid]
+    assert item.future is not None
+    gate.set()  # finishes on the pool thread, after add_done_callback
+    wait_until(item.future.done, 5)
+    threading.Timer(0.3, callback_may_run.set).start()
+    d.shutdown(grace=3)
+    row = effect_row(engine, "late-callback")
+    assert (row.status, [a.outcome for a in attempts_of(engine, eid)]) == (
+        "delivered", ["delivered"])
+
+
+# ------------------------------------------------------------------ ordering keys
+
+
+def test_one_in_flight_per_ordering_key_when_an_earlier_id_commits_late(
+        engine: Engine) -> None:
+    """Ids are taken at INSERT, visibility comes at COMMIT. T1 enqueues id n for key K
+    and commits late; T2 enqueues id n+1 for K and commits first. The head check only
+    looks at *lower* ids, so n+1 was claimed, and once T1 committed, n was claimed too:
+    two effects of one ordering key in flight at once, delivered out of id order."""
+    def claim_ids() -> list[int]:
+        with engine.begin() as conn:
+            return [r.id for r in sql.claim_due(conn, queue="default", limit=10,
+                                                owner="w", lease_seconds=30)]
+
+    slow = engine.connect()
+    second: list[int] = []
+    try:
+        slow.begin()
+        [first] = enqueue_many(slow, [Effect("noop", {"n": 1}, key="k-1", ordering_key="K")])
+
+        def enqueue_second() -> None:
+            with engine.begin() as conn:
+                second.extend(e.id for e in enqueue_many(
+                    conn, [Effect("noop", {"n": 2}, key="k-2", ordering_key="K")]))
+
+        t = threading.Thread(target=enqueue_second)
+        t.start()
+        t.join(1.0)  # done (T2 committed first), or waiting for T1 (the fix)
+        claimed = claim_ids()  # T1 still open
+        slow.commit()
+        t.join(10)
+        assert not t.is_alive()
+    finally:
+        slow.close()
+    claimed += claim_ids()
+    with engine.connect() as conn:
+        in_flight = conn.execute(text(
+            "SELECT count(*) FROM outbox.effects WHERE ordering_key = 'K'"
+            " AND status = 'in_flight'")).scalar_one()
+    assert in_flight == 1, f"claimed {claimed} of one ordering key at once"
+    assert claimed == [first.id] and first.id < second[0]
+
+
+# ------------------------------------------------------------ NOTIFY and savepoints
+
+
+def test_enqueue_after_a_rolled_back_savepoint_still_notifies(engine: Engine,
+                                                              db_url: str) -> None:
+    """`_notify_once` remembered "notified" per top-level transaction; a NOTIFY sent
+    inside a savepoint that rolled back (an Inbox handler that raised, say) is
+    discarded with it, so a later enqueue in the same transaction sent none: the
+    worker only found the effect at its next poll."""
+    import psycopg
+
+    from outbox._config import NOTIFY_CHANNEL
+
+    dsn = make_url(db_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        with engine.connect() as conn:
+            conn.begin()
+            savepoint = conn.begin_nested()
+            enqueue_many(conn, [Effect("noop", {"n": 1}, key="in-savepoint")])
+            savepoint.rollback()
+            enqueue_many(conn, [Effect("noop", {"n": 2}, key="after-savepoint")])
+            conn.commit()
+        got = [n.payload for n in listener.notifies(timeout=2.0, stop_after=1)]
+    assert got == ["default"]
