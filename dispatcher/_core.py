@@ -174,7 +174,9 @@ class Dispatcher:
             return {}
         self.stats.add(recorded)
         for o in batch:
-            got = recorded.get(o.effect_id, "lease_lost")
+            got = recorded.get(o.effect_id)
+            if got is None:  # recorded by a try whose COMMIT reply was lost
+                continue
             if got == "lease_lost":
                 log.warning("effect %s: lease lost before its outcome was recorded "
                             "(fenced)", o.effect_id)

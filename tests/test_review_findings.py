@@ -262,3 +262,28 @@ def test_enqueue_after_a_rolled_back_savepoint_still_notifies(engine: Engine,
             conn.commit()
         got = [n.payload for n in listener.notifies(timeout=2.0, stop_after=1)]
     assert got == ["default"]
+
+
+def test_retried_record_after_a_lost_commit_reply_adds_no_attempt_row(engine: Engine) -> None:
+    """The ack's COMMIT landed but its reply was lost: the retry must be a no-op."""
+    from datetime import UTC, datetime
+
+    from outbox import enqueue
+    from outbox.sql import dispatch as dsql
+
+    with engine.begin() as conn:
+        enqueue(conn, "k", {"x": 1})
+    with engine.begin() as conn:
+        (row,) = dsql.claim_due(conn, queue="default", limit=1, owner="w1", lease_seconds=30)
+    outcome = dsql.Outcome(effect_id=row.id, lease_token=row.lease_token, attempt=1,
+                           outcome="delivered", next_status="delivered",
+                           started_at=datetime.now(UTC))
+    with engine.begin() as conn:
+        assert dsql.record_outcomes(conn, [outcome], "w1") == {row.id: "delivered"}
+    with engine.begin() as conn:
+        assert dsql.record_outcomes(conn, [outcome], "w1") == {}
+    with engine.connect() as conn:
+        outcomes = conn.execute(text(
+            "SELECT outcome FROM outbox.attempts WHERE effect_id = :id"), {"id": row.id}
+        ).scalars().all()
+    assert outcomes == ["delivered"]

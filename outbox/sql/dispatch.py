@@ -144,6 +144,11 @@ _RECORD = text(
            v.http_status, v.error, v.trace_id
       FROM v LEFT JOIN upd ON upd.id = v.id AND upd.token = v.token
      WHERE EXISTS (SELECT 1 FROM outbox.effects x WHERE x.id = v.id)
+       -- A retried record whose first COMMIT landed (the reply was lost) must not add
+       -- a second, spurious lease_lost row for an attempt already recorded.
+       AND NOT EXISTS (SELECT 1 FROM outbox.attempts a
+                        WHERE a.effect_id = v.id AND a.attempt = v.attempt
+                          AND a.worker = :worker AND a.started_at = v.started_at)
     RETURNING effect_id, outcome
     """
 )
@@ -154,6 +159,7 @@ def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], worker: str,
     """Apply a batch of attempt outcomes in one statement, fenced by lease token.
 
     Returns {effect_id: recorded attempt outcome}; `lease_lost` marks a fenced write.
+    An outcome already recorded by an earlier try of the same batch is skipped (absent).
     """
     if not outcomes:
         return {}
