@@ -207,7 +207,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     register_queue_gauges(engine)
     dispatcher = Dispatcher(engine, registry, queue=args.queue, concurrency=args.concurrency,
                             lease=args.lease)
-    run_worker(dispatcher, poll_interval=args.poll, grace=args.grace)
+    run_worker(dispatcher, poll_interval=args.poll, grace=args.grace,
+               application_name=args.name or "outbox-worker")
     return 0
 
 

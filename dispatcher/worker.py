@@ -30,13 +30,13 @@ def _psycopg_dsn(engine: Engine) -> str:
 
 
 def listen(engine: Engine, channel: str, wake: threading.Event, stop: threading.Event,
-           queue: str) -> None:
+           queue: str, application_name: str = "outbox-listener") -> None:
     """Set `wake` on every NOTIFY for our queue; reconnect with backoff on errors."""
     backoff = 0.1
     while not stop.is_set():
         try:
             with psycopg.connect(_psycopg_dsn(engine), autocommit=True,
-                                 application_name="outbox-listener") as conn:
+                                 application_name=application_name) as conn:
                 conn.execute(f"LISTEN {channel}")  # channel is our constant, not input
                 backoff = 0.1
                 while not stop.is_set():
@@ -60,7 +60,7 @@ def sweep(engine: Engine) -> list[int]:
 
 def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: float = 10.0,
                stop: threading.Event | None = None, install_signals: bool = True,
-               listen: bool = True) -> None:
+               listen: bool = True, application_name: str = "outbox-worker") -> None:
     """Run until SIGTERM/SIGINT (or `stop`), then shut down gracefully.
 
     `listen=False` runs without the LISTEN/NOTIFY doorbell: polling every
@@ -77,7 +77,8 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
     if listen:
         threading.Thread(
             target=_listen_loop, name="outbox-listen", daemon=True,
-            args=(dispatcher.engine, NOTIFY_CHANNEL, dispatcher.wake, stop, dispatcher.queue),
+            args=(dispatcher.engine, NOTIFY_CHANNEL, dispatcher.wake, stop, dispatcher.queue,
+                  f"{application_name}-listener"),
         ).start()
     last_sweep = 0.0
 

@@ -85,7 +85,7 @@ def _conn(target: Connectable) -> Connection:
 
 
 def advisory_lock_id(scope: str, key: str) -> int:
-    """A signed 64-bit lock id; a collision only makes two keys wait on each other."""
+    """A signed 64-bit lock id; a (2^-64) collision only gives the other key a 409."""
     digest = hashlib.sha256(f"{scope}\x00{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
 
