@@ -145,10 +145,16 @@ _RECORD = text(
       FROM v LEFT JOIN upd ON upd.id = v.id AND upd.token = v.token
      WHERE EXISTS (SELECT 1 FROM outbox.effects x WHERE x.id = v.id)
        -- A retried record whose first COMMIT landed (the reply was lost) must not add
-       -- a second, spurious lease_lost row for an attempt already recorded.
-       AND NOT EXISTS (SELECT 1 FROM outbox.attempts a
-                        WHERE a.effect_id = v.id AND a.attempt = v.attempt
-                          AND a.worker = :worker AND a.started_at = v.started_at)
+       -- a second, spurious lease_lost row for an attempt already recorded. Only a
+       -- fenced row (upd.id IS NULL) can be such a repeat: had the first try committed,
+       -- the lease token would be gone and this UPDATE could not have matched. Testing
+       -- upd first keeps the lookup off the hot path: as a NOT EXISTS anti-join on every
+       -- row, a cached generic plan seq-scanned outbox.attempts once per outcome
+       -- (planned while the table was small), so each record got slower as it grew.
+       AND (upd.id IS NOT NULL
+            OR NOT EXISTS (SELECT 1 FROM outbox.attempts a
+                            WHERE a.effect_id = v.id AND a.attempt = v.attempt
+                              AND a.worker = :worker AND a.started_at = v.started_at))
     RETURNING effect_id, outcome
     """
 )
