@@ -75,7 +75,7 @@ def dispatcher_for(queue: str) -> Dispatcher:
         found = _dispatchers.get(key)
         if found is None:
             engine = make_engine(application_name="outbox-celery", pool_size=2,
-                                 max_overflow=2)
+                                 max_overflow=2, pool_pre_ping=False)  # see cmd_worker
             configure_traces("outbox-celery")  # after the prefork fork: our own SDK
             configure_metrics("outbox-celery")
             register_queue_gauges(engine)

@@ -202,8 +202,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # under load, CPU the deliveries need). Attempts are in outbox.attempts anyway.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     registry = load_registry(args.handlers)
+    # No pre-ping: every dispatcher statement already retries on a dead connection
+    # (dispatcher/_core.py _db_retry), and the ping costs a round trip per statement.
     engine = make_engine(application_name=args.name or "outbox-worker",
-                         pool_size=2, max_overflow=2)
+                         pool_size=2, max_overflow=2, pool_pre_ping=False)
     register_queue_gauges(engine)
     dispatcher = Dispatcher(engine, registry, queue=args.queue, concurrency=args.concurrency,
                             lease=args.lease)
