@@ -55,6 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchlib import pct  # noqa: E402
+
 DB = "bench_outbox"
 NOOP, HTTP, LAT = "bench.noop", "bench.http", "bench.lat"
 
@@ -69,16 +71,6 @@ def emit(obj: dict[str, Any]) -> None:
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: Sequence[float], p: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100.0
-    f = int(k)
-    c = min(f + 1, len(s) - 1)
-    return s[f] + (s[c] - s[f]) * (k - f)
 
 
 def psycopg_dsn(url: str) -> str:

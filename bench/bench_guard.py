@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchlib import pct  # noqa: E402
 from sqlalchemy import Connection, Engine, event, text  # noqa: E402
 from sqlalchemy.exc import OperationalError  # noqa: E402
 
@@ -73,16 +74,6 @@ BODY = {"amount": 42, "currency": "EUR", "customer": "bench"}
 
 def log(msg: str) -> None:
     print(f"[bench-guard {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: Sequence[float], p: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100.0
-    f = int(k)
-    c = min(f + 1, len(s) - 1)
-    return s[f] + (s[c] - s[f]) * (k - f)
 
 
 def ms(value: float | None) -> float | None:

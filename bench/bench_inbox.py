@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchlib import pct  # noqa: E402
 from sqlalchemy import Connection, Engine, text  # noqa: E402
 from sqlalchemy.exc import OperationalError  # noqa: E402
 
@@ -65,16 +66,6 @@ T = TypeVar("T")
 
 def log(msg: str) -> None:
     print(f"[bench-inbox {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: Sequence[float], p: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100.0
-    f = int(k)
-    c = min(f + 1, len(s) - 1)
-    return s[f] + (s[c] - s[f]) * (k - f)
 
 
 class _Call(Generic[T]):
