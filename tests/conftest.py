@@ -67,6 +67,8 @@ def _clean(request: pytest.FixtureRequest) -> Iterator[None]:
     if eng is None:
         return
     with eng.begin() as conn:
-        conn.execute(text(
-            "TRUNCATE " + ", ".join(f"outbox.{t}" for t in TABLES)
-            + ", public.test_orders RESTART IDENTITY CASCADE"))
+        tables = [f"outbox.{t}" for t in TABLES] + ["public.test_orders"]
+        # The example app's table exists once a test (or the demo) started the app.
+        if conn.execute(text("SELECT to_regclass('payments.payments')")).scalar():
+            tables.append("payments.payments")
+        conn.execute(text(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE"))
