@@ -171,7 +171,11 @@ def procs(tmp_path: Path, psp: ReceiverProcess, db_url: str) -> Iterator[Procs]:
 
 @pytest.fixture
 def redis_broker() -> str:
-    redis.Redis(db=REDIS_DB).flushdb()
+    """Redis for the Celery tests; a machine without one skips them (CI has it)."""
+    try:
+        redis.Redis(db=REDIS_DB, socket_connect_timeout=1).flushdb()
+    except redis.exceptions.ConnectionError:
+        pytest.skip("Redis is not reachable on 127.0.0.1:6379")
     return REDIS_URL
 
 
