@@ -103,21 +103,6 @@ def _ring_after_commit(target: Connectable, conn: Connection, queues: set[str]) 
         event.listen(conn, "commit", ring, once=True)
 
 
-def _notify_once(conn: Connection, queues: set[str]) -> None:
-    # Per innermost transaction: a NOTIFY sent inside a savepoint that rolls back is
-    # discarded with it, so a later enqueue in the enclosing transaction must send
-    # its own (PostgreSQL folds repeated identical NOTIFYs of one transaction).
-    txn = conn.get_nested_transaction() or conn.get_transaction()
-    info = conn.info
-    if info.get("outbox.txn") is not txn:
-        info["outbox.txn"] = txn
-        info["outbox.notified"] = set()
-    notified: set[str] = info["outbox.notified"]
-    for queue in sorted(queues - notified):
-        sql.notify_due(conn, NOTIFY_CHANNEL, queue)
-        notified.add(queue)
-
-
 def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
                  claim: Claim | None = None, clock: Clock = database_clock
                  ) -> list[Enqueued]:
@@ -164,11 +149,10 @@ def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
         ordering_keys = [r["ordering_key"] for r in unique.values() if r["ordering_key"]]
         if ordering_keys:  # per-key FIFO needs ids in commit order (see the statement)
             sql.lock_ordering_keys(conn, ordering_keys)
-        inserted = sql.insert_effects(conn, list(unique.values()), now=clock())
+        inserted = sql.insert_effects(conn, list(unique.values()), NOTIFY_CHANNEL, now=clock())
         missing = [k for k in unique if k not in inserted]
         existing = sql.ids_by_key(conn, missing) if missing else {}
         queues = {e.queue for e in batch}
-        _notify_once(conn, queues)
         _ring_after_commit(target, conn, queues)
         results: list[Enqueued] = []
         seen: set[str] = set()

@@ -241,7 +241,7 @@ def test_one_in_flight_per_ordering_key_when_an_earlier_id_commits_late(
 
 def test_enqueue_after_a_rolled_back_savepoint_still_notifies(engine: Engine,
                                                               db_url: str) -> None:
-    """`_notify_once` remembered "notified" per top-level transaction; a NOTIFY sent
+    """A NOTIFY once remembered as "sent" per top-level transaction; a NOTIFY sent
     inside a savepoint that rolled back (an Inbox handler that raised, say) is
     discarded with it, so a later enqueue in the same transaction sent none: the
     worker only found the effect at its next poll."""

@@ -11,28 +11,37 @@ from sqlalchemy import Connection, Row, text
 
 _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 
+# The doorbell rides in the same statement: `bell` NOTIFYs each queue that got a new
+# row (PostgreSQL delivers it only if the transaction commits, and folds repeats), and
+# the one-time filter on it makes the planner run it once. One round trip per enqueue.
 _INSERT_EFFECTS = text(
     f"""
-    INSERT INTO outbox.effects
-           (effect_key, kind, payload, headers, ordering_key, queue, max_attempts,
-            available_at, retry_until)
-    SELECT k, kind, CAST(p AS jsonb), CAST(h AS jsonb), ok, q, m,
-           {_NOW} + make_interval(secs => d),
-           CASE WHEN ru IS NULL THEN NULL ELSE {_NOW} + make_interval(secs => ru) END
-      FROM unnest(CAST(:keys AS text[]), CAST(:kinds AS text[]), CAST(:payloads AS text[]),
-                  CAST(:headers AS text[]), CAST(:ordering_keys AS text[]),
-                  CAST(:queues AS text[]), CAST(:max_attempts AS int[]),
-                  CAST(:delays AS float8[]), CAST(:retry_for AS float8[]))
-           AS t(k, kind, p, h, ok, q, m, d, ru)
-    ON CONFLICT (effect_key) DO NOTHING
-    RETURNING id, effect_key
+    WITH ins AS (
+        INSERT INTO outbox.effects
+               (effect_key, kind, payload, headers, ordering_key, queue, max_attempts,
+                available_at, retry_until)
+        SELECT k, kind, CAST(p AS jsonb), CAST(h AS jsonb), ok, q, m,
+               {_NOW} + make_interval(secs => d),
+               CASE WHEN ru IS NULL THEN NULL ELSE {_NOW} + make_interval(secs => ru) END
+          FROM unnest(CAST(:keys AS text[]), CAST(:kinds AS text[]),
+                      CAST(:payloads AS text[]), CAST(:headers AS text[]),
+                      CAST(:ordering_keys AS text[]), CAST(:queues AS text[]),
+                      CAST(:max_attempts AS int[]), CAST(:delays AS float8[]),
+                      CAST(:retry_for AS float8[]))
+               AS t(k, kind, p, h, ok, q, m, d, ru)
+        ON CONFLICT (effect_key) DO NOTHING
+        RETURNING id, effect_key, queue
+    ), bell AS (
+        SELECT pg_notify(:channel, queue) FROM (SELECT DISTINCT queue FROM ins) AS d
+    )
+    SELECT id, effect_key FROM ins WHERE (SELECT count(*) FROM bell) >= 0
     """
 )
 
 
-def insert_effects(conn: Connection, rows: Sequence[dict[str, Any]],
+def insert_effects(conn: Connection, rows: Sequence[dict[str, Any]], channel: str,
                    now: datetime | None = None) -> dict[str, int]:
-    """Insert effects in one statement; returns {effect_key: id} of the rows inserted.
+    """Insert effects and ring `channel` in one statement; {effect_key: id} of new rows.
 
     Each row: key, kind, payload (JSON text), headers (JSON text), ordering_key, queue,
     max_attempts, delay (seconds), retry_for (seconds or None).
@@ -47,6 +56,7 @@ def insert_effects(conn: Connection, rows: Sequence[dict[str, Any]],
         "max_attempts": [r["max_attempts"] for r in rows],
         "delays": [r["delay"] for r in rows],
         "retry_for": [r["retry_for"] for r in rows],
+        "channel": channel,
         "now": now,
     }
     return {row.effect_key: row.id for row in conn.execute(_INSERT_EFFECTS, params)}
@@ -77,14 +87,6 @@ _IDS_BY_KEY = text("SELECT effect_key, id FROM outbox.effects WHERE effect_key =
 
 def ids_by_key(conn: Connection, keys: Sequence[str]) -> dict[str, int]:
     return {r.effect_key: r.id for r in conn.execute(_IDS_BY_KEY, {"keys": list(keys)})}
-
-
-_NOTIFY = text("SELECT pg_notify(:channel, :queue)")
-
-
-def notify_due(conn: Connection, channel: str, queue: str) -> None:
-    """The transactional doorbell: PostgreSQL delivers it only if we commit."""
-    conn.execute(_NOTIFY, {"channel": channel, "queue": queue})
 
 
 _COUNT_BY_STATUS = text("SELECT status, count(*) AS n FROM outbox.effects GROUP BY status")
