@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
+from examples.payments.psp import ReceiverProcess
 from outbox import _migrate
 from outbox._config import database_url, make_engine
 
@@ -72,3 +74,13 @@ def _clean(request: pytest.FixtureRequest) -> Iterator[None]:
         if conn.execute(text("SELECT to_regclass('payments.payments')")).scalar():
             tables.append("payments.payments")
         conn.execute(text(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE"))
+
+
+@pytest.fixture
+def psp_process(tmp_path: Path) -> Iterator[ReceiverProcess]:
+    """The fake PSP in its own process, its ledger in a file (survives worker kills)."""
+    receiver = ReceiverProcess(db=tmp_path / "psp.sqlite3").start()
+    try:
+        yield receiver
+    finally:
+        receiver.stop()

@@ -149,12 +149,8 @@ class Procs:
 
 
 @pytest.fixture
-def psp(tmp_path: Path) -> Iterator[ReceiverProcess]:
-    receiver = ReceiverProcess(db=tmp_path / "psp.sqlite3").start()
-    try:
-        yield receiver
-    finally:
-        receiver.stop()
+def psp(psp_process: ReceiverProcess) -> ReceiverProcess:
+    return psp_process
 
 
 @pytest.fixture

@@ -484,17 +484,8 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def psp_proc(tmp_path: Path) -> Iterator[ReceiverProcess]:
-    receiver = ReceiverProcess(db=tmp_path / "psp.sqlite3").start()
-    try:
-        yield receiver
-    finally:
-        receiver.stop()
-
-
-@pytest.fixture
-def workers(tmp_path: Path, psp_proc: ReceiverProcess) -> Iterator[Procs]:
-    group = Procs(tmp_path, psp_proc.url)
+def workers(tmp_path: Path, psp_process: ReceiverProcess) -> Iterator[Procs]:
+    group = Procs(tmp_path, psp_process.url)
     try:
         yield group
     finally:
@@ -552,7 +543,7 @@ class Producer:
 
 @pytest.mark.slow
 def test_f26_postgres_crash_and_restart_under_load(
-        cluster: Cluster, workers: Procs, psp_proc: ReceiverProcess) -> None:
+        cluster: Cluster, workers: Procs, psp_process: ReceiverProcess) -> None:
     db = make_engine(cluster.url, application_name="f26-test", pool_size=4)
     names = ["f26-w0", "f26-w1"]
     procs = [workers.worker(n, concurrency=8, lease=5, poll=0.2,
@@ -566,7 +557,7 @@ def test_f26_postgres_crash_and_restart_under_load(
         thread.start()
         time.sleep(2.0)
         before_crash = len(producer.committed)
-        delivered_before = psp_proc.stats()["deliveries"]
+        delivered_before = psp_process.stats()["deliveries"]
         crashed_at = time.monotonic()
         cluster.crash()
         time.sleep(2.0)
@@ -590,7 +581,7 @@ def test_f26_postgres_crash_and_restart_under_load(
         committed, unknown = set(producer.committed), set(producer.unknown)
         assert committed - in_db == set(), "committed effects lost in the crash"
         assert in_db - committed - unknown == set(), "effects nobody committed"
-        stats = check_exactly_once(db, psp_proc, sorted(in_db), single_attempt=False)
+        stats = check_exactly_once(db, psp_process, sorted(in_db), single_attempt=False)
         assert [p.pid for p in procs] == pids and all(p.alive() for p in procs), \
             "a worker died: it had to be restarted"
         assert before_crash > 0 and len(committed) > before_crash
@@ -598,7 +589,7 @@ def test_f26_postgres_crash_and_restart_under_load(
         assert delivered_before > 0
         assert "interrupted" in cluster.log_tail(200)  # crash recovery ran at the start
         first_commit = min(t for t in producer.commit_times if t > ready_at) - ready_at
-        resumed_after = min(d["received_at"] for d in psp_proc.ledger()["deliveries"]
+        resumed_after = min(d["received_at"] for d in psp_process.ledger()["deliveries"]
                             if d["received_at"] > ready_wall) - ready_wall
         assert resumed_after < 15, resumed_after
         # A lease_lost row is a stale worker fenced out, or an ack retried after its
