@@ -86,11 +86,24 @@ def _validate(effect: Effect) -> None:
 
 
 def _ring_after_commit(target: Connectable, conn: Connection, queues: set[str]) -> None:
+    """Ring each queue once per transaction, however many enqueue calls it made."""
     if not _doorbells:
         return
+    # A Core connection's `info` outlives the Connection (it belongs to the pooled
+    # DBAPI connection) while the listener does not: remember which object rings.
+    owner: object = target if isinstance(target, Session) else conn
+    info = target.info
+    registered = info.get("outbox.ring")
+    if registered is not None and registered[0] is owner:
+        registered[1].update(queues)  # a ring is already set up for this transaction
+        return
+    pending = set(queues)
+    info["outbox.ring"] = (owner, pending)
 
     def ring(*_: Any) -> None:
-        for queue in sorted(queues):
+        if info.get("outbox.ring", (None,))[0] is owner:
+            del info["outbox.ring"]
+        for queue in sorted(pending):
             for bell in list(_doorbells):
                 with contextlib.suppress(Exception):
                     bell(queue)
