@@ -29,8 +29,9 @@ def _psycopg_dsn(engine: Engine) -> str:
     return url.render_as_string(hide_password=False)
 
 
-def listen(engine: Engine, channel: str, wake: threading.Event, stop: threading.Event,
-           queue: str, application_name: str = "outbox-listener") -> None:
+def listen_for_due(engine: Engine, channel: str, wake: threading.Event,
+                   stop: threading.Event, queue: str,
+                   application_name: str = "outbox-listener") -> None:
     """Set `wake` on every NOTIFY for our queue; reconnect with backoff on errors."""
     backoff = 0.1
     while not stop.is_set():
@@ -47,9 +48,6 @@ def listen(engine: Engine, channel: str, wake: threading.Event, stop: threading.
             log.warning("listener lost its connection (%s); polling meanwhile", exc)
             stop.wait(backoff)
             backoff = min(backoff * 2, 5.0)
-
-
-_listen_loop = listen  # run_worker's `listen` flag shadows the name
 
 
 def sweep(engine: Engine) -> list[int]:
@@ -76,7 +74,7 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
         signal.signal(signal.SIGINT, on_signal)
     if listen:
         threading.Thread(
-            target=_listen_loop, name="outbox-listen", daemon=True,
+            target=listen_for_due, name="outbox-listen", daemon=True,
             args=(dispatcher.engine, NOTIFY_CHANNEL, dispatcher.wake, stop, dispatcher.queue,
                   f"{application_name}-listener"),
         ).start()
