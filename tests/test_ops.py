@@ -176,7 +176,7 @@ def command_of(service: dict[str, Any]) -> list[str]:
 
 def test_compose_matches_the_compose_spec_schema() -> None:
     tool = _tool("check-jsonschema")
-    assert tool, "check-jsonschema is missing: pip install -e '.[test]'"
+    assert tool, "check-jsonschema is missing: pip install -e . --group dev"
     proc = subprocess.run([tool, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -185,7 +185,7 @@ def test_compose_matches_the_compose_spec_schema() -> None:
 def test_the_schema_check_rejects_a_broken_file(tmp_path: Path) -> None:
     """The validator really validates: a typo and a bad condition are refused."""
     tool = _tool("check-jsonschema")
-    assert tool, "check-jsonschema is missing: pip install -e '.[test]'"
+    assert tool, "check-jsonschema is missing: pip install -e . --group dev"
     broken = COMPOSE.read_text().replace("healthcheck:", "helthcheck:", 1).replace(
         "condition: service_healthy", "condition: service_happy", 1)
     path = tmp_path / "docker-compose.yml"
