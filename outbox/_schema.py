@@ -86,6 +86,8 @@ idempotency_keys = Table(
     Column("created_at", TS, nullable=False, server_default=NOW),
     Column("completed_at", TS),
     Column("expires_at", TS, nullable=False),
+    # Effect keys derive from it: new on insert, kept by a take-over (migration 0002).
+    Column("generation", UUID(as_uuid=True)),
     PrimaryKeyConstraint("scope", "key"),
     CheckConstraint(_in("status", KeyStatus), name="status"),
     CheckConstraint("length(key) BETWEEN 1 AND 255", name="key_length"),
