@@ -62,7 +62,7 @@ def status_snapshot(engine: Engine) -> dict[str, Any]:
         counts = fx.count_effects(conn)
         health = fx.effect_health(conn)
         blocked = fx.blocked_ordering_keys(conn)
-        key_counts = kx.count_keys(conn, ttl_seconds=60.0)
+        key_counts = kx.count_keys(conn)  # each claim carries its TTL
     out: dict[str, Any] = {s: counts.get(s, 0) for s in STATUSES}
     out.update(health)
     out["idempotency_keys"] = key_counts

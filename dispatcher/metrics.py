@@ -47,7 +47,6 @@ log = logging.getLogger("outbox.metrics")
 GAUGE_STATUSES = ("pending", "in_flight", "failed", "needs_review")
 DEFAULT_TTL = float(os.environ.get("OUTBOX_METRICS_CACHE_SECONDS", "5"))
 #: A `processing` idempotency claim older than this is stale (the guard's default TTL).
-DEFAULT_KEY_TTL = float(os.environ.get("OUTBOX_KEY_TTL", "60"))
 
 #: Seconds, not the SDK's millisecond-shaped default buckets, so p50/p99 mean something.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -68,13 +67,12 @@ class QueueSnapshot:
     taken_at: float  # monotonic
 
 
-def read_snapshot(engine: Engine, *, key_ttl: float = DEFAULT_KEY_TTL,
-                  taken_at: float | None = None) -> QueueSnapshot:
+def read_snapshot(engine: Engine, *, taken_at: float | None = None) -> QueueSnapshot:
     """Query the database once (three short statements on one connection)."""
     with engine.connect() as conn:
         counts = fx.count_effects(conn)
         health = fx.effect_health(conn)
-        keys = kx.count_keys(conn, ttl_seconds=key_ttl)
+        keys = kx.count_keys(conn)  # stale by each claim's own TTL
     return QueueSnapshot(
         effects={s: int(counts.get(s, 0)) for s in GAUGE_STATUSES},
         due=int(health["due"]),
@@ -94,11 +92,10 @@ class QueueGauges:
     """
 
     def __init__(self, engine: Engine, *, ttl: float = DEFAULT_TTL,
-                 key_ttl: float = DEFAULT_KEY_TTL, meter: Meter | None = None,
+                 meter: Meter | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.ttl = ttl
-        self.key_ttl = key_ttl
         self.clock = clock
         self.reads = 0  # database reads so far (tests check the cache with it)
         self._lock = threading.Lock()
@@ -135,7 +132,7 @@ class QueueGauges:
                 return None
             self.reads += 1
             try:
-                snap = read_snapshot(self.engine, key_ttl=self.key_ttl, taken_at=now)
+                snap = read_snapshot(self.engine, taken_at=now)
             except SQLAlchemyError as exc:
                 self._cached, self._failed_at = None, now
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
@@ -172,7 +169,6 @@ _process_gauges: QueueGauges | None = None
 
 
 def register_queue_gauges(engine: Engine, *, ttl: float = DEFAULT_TTL,
-                          key_ttl: float = DEFAULT_KEY_TTL,
                           meter_provider: MeterProvider | None = None) -> QueueGauges:
     """Register the queue gauges, once per process on the global meter.
 
@@ -182,11 +178,11 @@ def register_queue_gauges(engine: Engine, *, ttl: float = DEFAULT_TTL,
     """
     global _process_gauges
     if meter_provider is not None:
-        return QueueGauges(engine, ttl=ttl, key_ttl=key_ttl,
+        return QueueGauges(engine, ttl=ttl,
                            meter=meter_provider.get_meter("outbox"))
     with _lock:
         if _process_gauges is None:
-            _process_gauges = QueueGauges(engine, ttl=ttl, key_ttl=key_ttl)
+            _process_gauges = QueueGauges(engine, ttl=ttl)
         return _process_gauges
 
 

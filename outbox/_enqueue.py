@@ -18,7 +18,7 @@ from outbox._canonical import _check_strings
 from outbox._config import NOTIFY_CHANNEL
 from outbox._idempotency import Claim, Clock, Connectable, database_clock
 from outbox._telemetry import effects_enqueued, tracer
-from outbox.errors import InvalidInput
+from outbox.errors import EffectKeyConflict, InvalidInput
 from outbox.sql import effects as sql
 
 DEFAULT_MAX_ATTEMPTS = 25
@@ -85,6 +85,11 @@ def _validate(effect: Effect) -> None:
     _check_strings(effect.payload)
 
 
+def _canonical_json(text: str) -> str:
+    """One spelling per JSON value (key order, spacing), to compare two payloads."""
+    return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+
+
 def _ring_after_commit(target: Connectable, conn: Connection, queues: set[str]) -> None:
     """Ring each queue once per transaction, however many enqueue calls it made."""
     if not _doorbells:
@@ -122,7 +127,9 @@ def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
     """Insert effects in the caller's transaction, in one statement; never commits.
 
     Keys: the effect's own `key`, else derived from `claim` (stable across retries of
-    the request), else random. A key already present is a no-op, reported as such.
+    the request), else random. A key already present with the same kind and payload is
+    a no-op, reported as such; with another kind or payload it raises
+    EffectKeyConflict (never a silent drop of the new effect).
     The current trace context rides in each row so delivery continues the trace.
     """
     batch: Sequence[Effect] = list(effects)
@@ -155,16 +162,29 @@ def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
                 "delay": float(effect.delay),
                 "retry_for": effect.retry_for,
             })
-        # Two effects with one key in a batch: the first wins, the rest are duplicates.
+        # Two effects with one key in a batch: the first wins, the rest are duplicates,
+        # but only if they are the same effect.
         unique: dict[str, dict[str, Any]] = {}
+        clashes: list[str] = []
         for row in rows:
-            unique.setdefault(row["key"], row)
+            first = unique.setdefault(row["key"], row)
+            if first is not row and (first["kind"], _canonical_json(first["payload"])) != (
+                    row["kind"], _canonical_json(row["payload"])):
+                clashes.append(row["key"])
+        if clashes:
+            raise EffectKeyConflict(clashes)
         ordering_keys = [r["ordering_key"] for r in unique.values() if r["ordering_key"]]
         if ordering_keys:  # per-key FIFO needs ids in commit order (see the statement)
             sql.lock_ordering_keys(conn, ordering_keys)
         inserted = sql.insert_effects(conn, list(unique.values()), NOTIFY_CHANNEL, now=clock())
-        missing = [k for k in unique if k not in inserted]
-        existing = sql.ids_by_key(conn, missing) if missing else {}
+        missing = [r for k, r in unique.items() if k not in inserted]
+        existing = sql.match_existing_effects(conn, missing) if missing else {}
+        conflicts = [k for k, (_, same) in existing.items() if not same]
+        if conflicts:
+            raise EffectKeyConflict(conflicts)
+        gone = [r for r in missing if r["key"] not in existing]
+        if gone:  # purged between our insert and the lookup: insert those again
+            inserted.update(sql.insert_effects(conn, gone, NOTIFY_CHANNEL, now=clock()))
         queues = {e.queue for e in batch}
         _ring_after_commit(target, conn, queues)
         results: list[Enqueued] = []
@@ -172,7 +192,8 @@ def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
         for key, effect in zip(keys, batch, strict=True):
             fresh = key in inserted and key not in seen
             seen.add(key)
-            results.append(Enqueued(inserted.get(key) or existing[key], key, fresh))
+            found = inserted.get(key) or existing[key][0]
+            results.append(Enqueued(found, key, fresh))
             effects_enqueued.add(1, {"kind": effect.kind,
                                      "result": "inserted" if fresh else "duplicate"})
         span.set_attribute("outbox.effects", len(batch))

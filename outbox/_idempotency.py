@@ -60,20 +60,27 @@ class Claim:
     mode: Mode
     token: uuid.UUID
     taken_over: bool = False
+    # The key record's generation: new when the record is created, kept by a take-over,
+    # gone with a purge. None only for a record written before migration 0002.
+    generation: uuid.UUID | None = None
     _effect_counts: dict[str, int] = field(default_factory=dict)
 
     def effect_key(self, kind: str, name: str | None = None) -> str:
         """A deterministic key for the n-th effect of `kind` (or the one called `name`).
 
         The same request retried after a crash enqueues the same keys, so the outbox
-        insert is a no-op and the receiver sees the same Idempotency-Key.
+        insert is a no-op and the receiver sees the same Idempotency-Key. The record's
+        generation is part of it: a key reused after `outbox purge` is a new request,
+        whose effects must not collide with the old ones' rows or the receiver's memory.
         """
         if name is None:
             index = self._effect_counts.get(kind, 0)
             self._effect_counts[kind] = index + 1
             name = str(index)
-        digest = hashlib.sha256(
-            "\x00".join((self.scope, self.key, kind, name)).encode()).hexdigest()[:32]
+        parts = [self.scope, self.key, kind, name]
+        if self.generation is not None:
+            parts.append(self.generation.hex)
+        digest = hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:32]
         return f"{kind[:200]}:{digest}"
 
 
@@ -156,7 +163,7 @@ class IdempotencyGuard:
                 headers=tuple((k, v) for k, v in (row.response_headers or [])),
                 body=row.response_body or b"",
             )
-        if row.age is not None and row.age.total_seconds() >= self.ttl:
+        if row.lock_expired:  # past the TTL its holder claimed it with
             return None
         idempotency_requests.add(1, {"outcome": "in_progress"})
         raise RequestInProgress(retry_after=self.retry_after)
@@ -174,16 +181,20 @@ class IdempotencyGuard:
             idempotency_requests.add(1, {"outcome": "in_progress"})
             raise RequestInProgress(retry_after=self.retry_after)
         row = sql.get_key(conn, scope, key, now=self.clock())
+        generation = uuid.uuid4()
         if row is not None:
             cached = self._check_existing(row, fingerprint)
             if cached is not None:
                 return cached
-            # An expired phased claim (its holder crashed): fence it out, take over.
+            # An expired phased claim (its holder crashed): fence it out, take over,
+            # keeping its generation so the retried request enqueues the same keys.
             assert row.lock_token is not None
             if not sql.release_key(conn, scope=scope, key=key, token=row.lock_token):
                 raise RequestInProgress(retry_after=self.retry_after)
             idempotency_requests.add(1, {"outcome": "taken_over"})
-        return Claim(scope, key, fingerprint, "atomic", uuid.uuid4())
+            return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(), taken_over=True,
+                         generation=row.generation)
+        return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(), generation=generation)
 
     def complete(self, target: Connectable, claim: Claim, response: StoredResponse) -> None:
         """Store the response in the caller's transaction; it commits with the work.
@@ -197,7 +208,7 @@ class IdempotencyGuard:
             stored = sql.insert_completed_key(
                 conn, scope=claim.scope, key=claim.key, fingerprint=claim.fingerprint,
                 status=response.status, headers=response.header_list(), body=response.body,
-                retention_seconds=self.retention, now=now)
+                retention_seconds=self.retention, generation=claim.generation, now=now)
         else:
             stored = sql.complete_claimed_key(
                 conn, scope=claim.scope, key=claim.key, token=claim.token,
@@ -214,7 +225,7 @@ class IdempotencyGuard:
     def claim(self, engine: Engine, scope: str, key: str, fingerprint: str
               ) -> Claim | StoredResponse:
         """Phased mode: commit a `processing` claim in its own short transaction."""
-        token = uuid.uuid4()
+        token, generation = uuid.uuid4(), uuid.uuid4()
         try:
             with _read_committed(engine) as conn:
                 sql.set_local_lock_timeout(conn, self.lock_timeout_ms)
@@ -223,18 +234,23 @@ class IdempotencyGuard:
                     raise RequestInProgress(retry_after=self.retry_after)
                 now = self.clock()
                 if sql.claim_key(conn, scope=scope, key=key, fingerprint=fingerprint,
-                                 token=token, retention_seconds=self.retention, now=now):
-                    return Claim(scope, key, fingerprint, "phased", token)
+                                 token=token, ttl_seconds=self.ttl,
+                                 retention_seconds=self.retention, generation=generation,
+                                 now=now):
+                    return Claim(scope, key, fingerprint, "phased", token,
+                                 generation=generation)
                 row = sql.get_key(conn, scope, key, now=now)
                 if row is None:  # purged between the insert and the read
                     raise RequestInProgress(retry_after=self.retry_after)
                 cached = self._check_existing(row, fingerprint)
                 if cached is not None:
                     return cached
-                if sql.take_over_key(conn, scope=scope, key=key, token=token,
-                                     ttl_seconds=self.ttl, now=now):
+                taken, kept = sql.take_over_key(conn, scope=scope, key=key, token=token,
+                                                ttl_seconds=self.ttl, now=now)
+                if taken:
                     idempotency_requests.add(1, {"outcome": "taken_over"})
-                    return Claim(scope, key, fingerprint, "phased", token, taken_over=True)
+                    return Claim(scope, key, fingerprint, "phased", token, taken_over=True,
+                                 generation=kept)
                 idempotency_requests.add(1, {"outcome": "in_progress"})
                 raise RequestInProgress(retry_after=self.retry_after)
         except OperationalError as exc:

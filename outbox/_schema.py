@@ -80,6 +80,7 @@ idempotency_keys = Table(
     Column("status", Text, nullable=False),
     Column("lock_token", UUID(as_uuid=True)),
     Column("locked_at", TS),
+    Column("lock_expires_at", TS),  # the claim's own TTL (migration 0002)
     Column("response_status", Integer),
     Column("response_headers", JSONB),
     Column("response_body", LargeBinary),
@@ -93,9 +94,10 @@ idempotency_keys = Table(
     CheckConstraint("length(key) BETWEEN 1 AND 255", name="key_length"),
     CheckConstraint(
         "(status = 'processing' AND lock_token IS NOT NULL AND locked_at IS NOT NULL"
-        " AND response_status IS NULL AND completed_at IS NULL)"
+        " AND lock_expires_at IS NOT NULL AND response_status IS NULL"
+        " AND completed_at IS NULL)"
         " OR (status = 'completed' AND response_status IS NOT NULL"
-        " AND completed_at IS NOT NULL)",
+        " AND completed_at IS NOT NULL AND lock_expires_at IS NULL)",
         name="status_columns",
     ),
     Index("idempotency_keys_expires_at_idx", "expires_at"),

@@ -13,6 +13,7 @@
     │   ├── RequestInProgress        409 + Retry-After: a twin holds the key
     │   ├── KeyReused                422: same key, different request
     │   └── ClaimLost                our phased claim was taken over: roll back
+    ├── EffectKeyConflict            an effect key already names another effect
     ├── LeaseLost                    a dispatcher's lease was taken over: fenced
     ├── RetentionTooShort            inbox retention below the source's horizon
     └── DeliveryError                raised by effect handlers to steer retries
@@ -105,6 +106,20 @@ class ClaimLost(IdempotencyConflict):
     """
 
     code = "claim_lost"
+
+
+class EffectKeyConflict(OutboxError):
+    """`enqueue` met an existing effect with the same key but another kind or payload.
+
+    A silent no-op would drop the new effect (a second charge never written), and the
+    receiver would see one Idempotency-Key with two payloads. Raised inside the
+    caller's transaction: letting it propagate rolls the business rows back too.
+    """
+
+    def __init__(self, effect_keys: list[str]) -> None:
+        shown = ", ".join(effect_keys[:3]) + (" ..." if len(effect_keys) > 3 else "")
+        super().__init__(f"effect key(s) already used for another kind or payload: {shown}")
+        self.effect_keys = effect_keys
 
 
 class LeaseLost(OutboxError):

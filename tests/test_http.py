@@ -266,16 +266,19 @@ def test_create_payment_writes_one_row_and_two_effects(client: TestClient,
             "SELECT kind, effect_key, payload, status FROM outbox.effects ORDER BY kind"
         )).all()
         key = conn.execute(text(
-            "SELECT scope, status, response_status FROM outbox.idempotency_keys")).one()
+            "SELECT scope, status, response_status, generation"
+            " FROM outbox.idempotency_keys")).one()
     assert [e.kind for e in effects] == ["email.receipt", "psp.charge"]
     assert all(e.status == "pending" for e in effects)
     receipt, charge = (e.payload for e in effects)
     assert charge == {"payment_id": body["id"], "amount": 1250, "currency": "EUR"}
     assert receipt == {"payment_id": body["id"], "customer": "alice@example.com"}
-    # Effect keys derive from (scope, key, kind, name): a retry re-enqueues the same ones.
+    # Effect keys derive from (scope, key, record generation, kind, name): a retry
+    # re-enqueues the same ones; a reuse after purge gets new ones.
     assert key.scope == "anonymous" and key.status == "completed"
     assert key.response_status == 201
-    claim = Claim("anonymous", "order-1", "", "atomic", uuid.uuid4())
+    claim = Claim("anonymous", "order-1", "", "atomic", uuid.uuid4(),
+                  generation=key.generation)
     assert {e.effect_key for e in effects} == {
         claim.effect_key("psp.charge", "charge"), claim.effect_key("email.receipt", "receipt")}
 
@@ -716,7 +719,8 @@ def test_expired_phased_claim_is_taken_over(payments_db: Engine) -> None:
         assert_problem(client.post("/payments", json=PAYMENT, headers=headers), 409)
         with payments_db.begin() as conn:
             conn.execute(text("UPDATE outbox.idempotency_keys "
-                              "SET locked_at = now() - interval '1 hour'"))
+                              "SET locked_at = now() - interval '1 hour',"
+                              " lock_expires_at = now() - interval '59 min'"))
         resp = client.post("/payments", json=PAYMENT, headers=headers)
         assert resp.status_code == 201
     assert payment_rows(payments_db) == 1

@@ -42,6 +42,7 @@ from outbox import (
 from outbox._idempotency import Mode, advisory_lock_id
 from outbox.errors import (
     ClaimLost,
+    EffectKeyConflict,
     InvalidInput,
     InvalidRequestBody,
     KeyReused,
@@ -198,7 +199,8 @@ def backdate(eng: Engine, key: str, seconds: float, scope: str = SCOPE) -> None:
     """Make a `processing` claim look `seconds` older (the TTL passes instantly)."""
     with eng.begin() as conn:
         moved = conn.execute(text(
-            "UPDATE outbox.idempotency_keys SET locked_at = locked_at - make_interval(secs => :s)"
+            "UPDATE outbox.idempotency_keys SET locked_at = locked_at - make_interval(secs => :s),"
+            " lock_expires_at = lock_expires_at - make_interval(secs => :s)"
             " WHERE scope = :scope AND key = :key AND status = 'processing'"),
             {"s": seconds, "scope": scope, "key": key}).rowcount
     assert moved == 1
@@ -485,7 +487,7 @@ def test_f06_take_over_statement_is_a_compare_and_set(storm_engine: Engine,
             conn.execute(text("SELECT 1"))
             barrier.wait(timeout=30)
             return keysql.take_over_key(conn, scope=SCOPE, key=key, token=uuid.uuid4(),
-                                        ttl_seconds=60)
+                                        ttl_seconds=60)[0]
 
     with ThreadPoolExecutor(racers) as pool:
         for trial in range(trials):
@@ -760,8 +762,9 @@ def test_f10_claim_behind_an_uncommitted_inserter_is_409_in_bounded_time(
     with psycopg.connect(raw_dsn(db_url)) as holder:  # a transaction opens implicitly
         holder.execute(
             "INSERT INTO outbox.idempotency_keys (scope, key, fingerprint, status,"
-            " lock_token, locked_at, expires_at)"
-            " VALUES (%s, 'k', %s, 'processing', gen_random_uuid(), now(), now() + '1 day')",
+            " lock_token, locked_at, lock_expires_at, expires_at)"
+            " VALUES (%s, 'k', %s, 'processing', gen_random_uuid(), now(), now() + '1 min',"
+            " now() + '1 day')",
             (SCOPE, FP))
         started = time.monotonic()
         with pytest.raises(RequestInProgress):
@@ -848,16 +851,20 @@ def test_enqueue_the_same_logical_effect_twice_is_a_duplicate(engine: Engine) ->
     assert second.inserted and second.effect_key != first.effect_key
     with engine.begin() as conn:
         explicit = enqueue(conn, "webhook", {"v": 1}, key="evt-1")
-        explicit_again = enqueue(conn, "webhook", {"v": 2}, key="evt-1")  # same txn
+        explicit_again = enqueue(conn, "webhook", {"v": 1}, key="evt-1")  # same txn
     assert explicit.inserted and not explicit_again.inserted
     assert explicit_again.id == explicit.id
+    # The same key with another payload is not a duplicate: it is refused, loudly.
+    with pytest.raises(EffectKeyConflict) as info, engine.begin() as conn:
+        enqueue(conn, "webhook", {"v": 2}, key="evt-1")
+    assert info.value.effect_keys == ["evt-1"]
     other_scope = Claim("tenant-2", "k", FP, "atomic", uuid.uuid4())
     assert other_scope.effect_key("psp.charge") != Claim(
         SCOPE, "k", FP, "atomic", uuid.uuid4()).effect_key("psp.charge")
     with engine.connect() as conn:
         stored = conn.execute(text(
             "SELECT payload FROM outbox.effects WHERE effect_key = 'evt-1'")).scalar_one()
-    assert stored == {"v": 1}  # the first write wins; a duplicate changes nothing
+    assert stored == {"v": 1}  # a duplicate changes nothing
     assert effects(engine) == 4
 
 
@@ -866,11 +873,11 @@ def test_enqueue_many_with_a_repeated_key(engine: Engine) -> None:
     with engine.begin() as conn:
         results = enqueue_many(conn, [
             Effect("hook", {"n": 1}, key="x"),
-            Effect("hook", {"n": 2}, key="x"),
+            Effect("hook", {"n": 1}, key="x"),
             Effect("hook", {"n": 3}, key="y"),
-            Effect("hook", {"n": 4}, key="x"),
+            Effect("hook", {"n": 1}, key="x"),
             Effect("mail", {"n": 5}, name="welcome"),
-            Effect("mail", {"n": 6}, name="welcome"),
+            Effect("mail", {"n": 5}, name="welcome"),
         ], claim=claim)
     assert [r.inserted for r in results] == [True, False, True, False, True, False]
     assert results[0].id == results[1].id == results[3].id != results[2].id
@@ -880,12 +887,30 @@ def test_enqueue_many_with_a_repeated_key(engine: Engine) -> None:
         assert conn.execute(text(
             "SELECT payload FROM outbox.effects WHERE effect_key = 'x'")).scalar_one() == {"n": 1}
     with engine.begin() as conn:
-        later_batch = enqueue_many(conn, [Effect("hook", {}, key="x"),
+        later_batch = enqueue_many(conn, [Effect("hook", {"n": 1}, key="x"),
                                           Effect("hook", {}, key="z")])
     assert [r.inserted for r in later_batch] == [False, True]
     assert later_batch[0].id == results[0].id
     with engine.begin() as conn:
         assert enqueue_many(conn, []) == []
+
+
+@pytest.mark.parametrize("batch", [
+    [Effect("hook", {"n": 1}, key="x"), Effect("hook", {"n": 2}, key="x")],   # in one batch
+    [Effect("hook", {"n": 1}, key="x"), Effect("mail", {"n": 1}, key="x")],   # other kind
+    [Effect("hook", {"n": 9}, key="old")],                                     # vs. a row
+])
+def test_enqueue_refuses_one_key_for_two_different_effects(engine: Engine,
+                                                           batch: list[Effect]) -> None:
+    """Issue 8.1: a silent ON CONFLICT no-op here dropped the second effect."""
+    with engine.begin() as conn:
+        enqueue(conn, "hook", {"n": 1}, key="old")
+    with pytest.raises(EffectKeyConflict), engine.begin() as conn:
+        enqueue(conn, "hook", {"n": 1}, key="other")  # rolled back with the batch
+        enqueue_many(conn, batch)
+    assert effects(engine) == 1
+    with engine.begin() as conn:  # key order and spacing are not a difference
+        assert not enqueue_many(conn, [Effect("hook", {"n": 1}, key="old")])[0].inserted
 
 
 @pytest.mark.parametrize("effect", [

@@ -82,11 +82,26 @@ def lock_ordering_keys(conn: Connection, ordering_keys: Sequence[str]) -> None:
     conn.execute(_LOCK_ORDERING_KEYS, {"keys": sorted(set(ordering_keys))})
 
 
-_IDS_BY_KEY = text("SELECT effect_key, id FROM outbox.effects WHERE effect_key = ANY(:keys)")
+_MATCH_EXISTING = text(
+    """
+    SELECT e.effect_key, e.id, (e.kind = v.kind AND e.payload = CAST(v.p AS jsonb)) AS same
+      FROM unnest(CAST(:keys AS text[]), CAST(:kinds AS text[]), CAST(:payloads AS text[]))
+           AS v(k, kind, p)
+      JOIN outbox.effects e ON e.effect_key = v.k
+    """
+)
 
 
-def ids_by_key(conn: Connection, keys: Sequence[str]) -> dict[str, int]:
-    return {r.effect_key: r.id for r in conn.execute(_IDS_BY_KEY, {"keys": list(keys)})}
+def match_existing_effects(conn: Connection, rows: Sequence[dict[str, Any]]
+                           ) -> dict[str, tuple[int, bool]]:
+    """{effect_key: (id, same kind and payload)} for rows whose key exists already.
+
+    Only the conflicting rows of an enqueue come here (off the hot path); `same` is
+    jsonb equality, so key order and whitespace do not count as a difference.
+    """
+    params = {"keys": [r["key"] for r in rows], "kinds": [r["kind"] for r in rows],
+              "payloads": [r["payload"] for r in rows]}
+    return {r.effect_key: (r.id, bool(r.same)) for r in conn.execute(_MATCH_EXISTING, params)}
 
 
 _COUNT_BY_STATUS = text("SELECT status, count(*) AS n FROM outbox.effects GROUP BY status")

@@ -19,6 +19,8 @@ class KeyRow:
     fingerprint: str
     lock_token: uuid.UUID | None
     age: timedelta | None
+    lock_expired: bool            # a `processing` claim past its holder's TTL
+    generation: uuid.UUID | None  # None only for rows written before migration 0002
     response_status: int | None
     response_headers: list[list[str]] | None
     response_body: bytes | None
@@ -43,6 +45,7 @@ def set_local_lock_timeout(conn: Connection, milliseconds: int) -> None:
 _GET = text(
     f"""
     SELECT status, fingerprint, lock_token, {_NOW} - locked_at AS age,
+           coalesce(lock_expires_at <= {_NOW}, false) AS lock_expired, generation,
            response_status, response_headers, response_body
       FROM outbox.idempotency_keys
      WHERE scope = :scope AND key = :key
@@ -60,6 +63,8 @@ def get_key(conn: Connection, scope: str, key: str, now: datetime | None = None)
         fingerprint=row.fingerprint,
         lock_token=row.lock_token,
         age=row.age,
+        lock_expired=row.lock_expired,
+        generation=row.generation,
         response_status=row.response_status,
         response_headers=row.response_headers,
         response_body=bytes(body) if body is not None else None,
@@ -72,9 +77,9 @@ _INSERT_COMPLETED = text(
     f"""
     INSERT INTO outbox.idempotency_keys
            (scope, key, fingerprint, status, response_status, response_headers,
-            response_body, created_at, completed_at, expires_at)
+            response_body, created_at, completed_at, expires_at, generation)
     VALUES (:scope, :key, :fingerprint, 'completed', :status, :headers, :body,
-            {_NOW}, {_NOW}, {_NOW} + make_interval(secs => :retention))
+            {_NOW}, {_NOW}, {_NOW} + make_interval(secs => :retention), :generation)
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
     """
@@ -91,12 +96,14 @@ def insert_completed_key(
     headers: list[list[str]],
     body: bytes,
     retention_seconds: float,
+    generation: uuid.UUID | None,
     now: datetime | None = None,
 ) -> bool:
     """Atomic mode's single write; False if a row appeared (the unique backstop)."""
     params: dict[str, Any] = {
         "scope": scope, "key": key, "fingerprint": fingerprint, "status": status,
-        "headers": headers, "body": body, "retention": retention_seconds, "now": now,
+        "headers": headers, "body": body, "retention": retention_seconds,
+        "generation": generation, "now": now,
     }
     return conn.execute(_INSERT_COMPLETED, params).first() is not None
 
@@ -104,9 +111,11 @@ def insert_completed_key(
 _CLAIM = text(
     f"""
     INSERT INTO outbox.idempotency_keys
-           (scope, key, fingerprint, status, lock_token, locked_at, created_at, expires_at)
-    VALUES (:scope, :key, :fingerprint, 'processing', :token, {_NOW}, {_NOW},
-            {_NOW} + make_interval(secs => :retention))
+           (scope, key, fingerprint, status, lock_token, locked_at, lock_expires_at,
+            created_at, expires_at, generation)
+    VALUES (:scope, :key, :fingerprint, 'processing', :token, {_NOW},
+            {_NOW} + make_interval(secs => :ttl), {_NOW},
+            {_NOW} + make_interval(secs => :retention), :generation)
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
     """
@@ -120,13 +129,20 @@ def claim_key(
     key: str,
     fingerprint: str,
     token: uuid.UUID,
+    ttl_seconds: float,
     retention_seconds: float,
+    generation: uuid.UUID,
     now: datetime | None = None,
 ) -> bool:
-    """Phased mode: insert a `processing` claim; False if the key already exists."""
+    """Phased mode: insert a `processing` claim; False if the key already exists.
+
+    `ttl_seconds` is stored with the claim (`lock_expires_at`): how long its holder may
+    take is the holder's setting, and every retaker and `outbox status` reads it there.
+    """
     params = {
         "scope": scope, "key": key, "fingerprint": fingerprint, "token": token,
-        "retention": retention_seconds, "now": now,
+        "ttl": ttl_seconds, "retention": retention_seconds, "generation": generation,
+        "now": now,
     }
     return conn.execute(_CLAIM, params).first() is not None
 
@@ -134,11 +150,12 @@ def claim_key(
 _TAKE_OVER = text(
     f"""
     UPDATE outbox.idempotency_keys
-       SET lock_token = :token, locked_at = {_NOW}
+       SET lock_token = :token, locked_at = {_NOW},
+           lock_expires_at = {_NOW} + make_interval(secs => :ttl)
      WHERE scope = :scope AND key = :key
        AND status = 'processing'
-       AND locked_at <= {_NOW} - make_interval(secs => :ttl)
-    RETURNING 1
+       AND lock_expires_at <= {_NOW}
+    RETURNING generation
     """
 )
 
@@ -151,16 +168,20 @@ def take_over_key(
     token: uuid.UUID,
     ttl_seconds: float,
     now: datetime | None = None,
-) -> bool:
-    """Fenced takeover of an expired claim: exactly one racing retaker gets True."""
+) -> tuple[bool, uuid.UUID | None]:
+    """Fenced takeover of an expired claim: exactly one racing retaker gets True.
+
+    Also returns the record's generation: the retaken request keeps its effect keys.
+    """
     params = {"scope": scope, "key": key, "token": token, "ttl": ttl_seconds, "now": now}
-    return conn.execute(_TAKE_OVER, params).first() is not None
+    row = conn.execute(_TAKE_OVER, params).first()
+    return (row is not None, row.generation if row is not None else None)
 
 
 _COMPLETE = text(
     f"""
     UPDATE outbox.idempotency_keys
-       SET status = 'completed', lock_token = NULL, locked_at = NULL,
+       SET status = 'completed', lock_token = NULL, locked_at = NULL, lock_expires_at = NULL,
            response_status = :status, response_headers = :headers, response_body = :body,
            completed_at = {_NOW}
      WHERE scope = :scope AND key = :key AND status = 'processing' AND lock_token = :token
@@ -208,14 +229,21 @@ _PURGE_EXPIRED = text(
     DELETE FROM outbox.idempotency_keys
      WHERE ctid = ANY(ARRAY(
            SELECT ctid FROM outbox.idempotency_keys
-            WHERE expires_at < {_NOW}
+            WHERE expires_at < {_NOW} AND status = 'completed'
             LIMIT :batch))
+       AND status = 'completed'
     """
 )
 
 
 def purge_expired_keys(conn: Connection, batch: int, now: datetime | None = None) -> int:
-    """Delete up to `batch` expired keys; a purged key may be processed again."""
+    """Delete up to `batch` completed keys past retention; a purged key may run again.
+
+    Never a `processing` claim (F11), however old: its work may still commit, and
+    deleting it would let a retry run the request a second time. A crashed claim is
+    taken over by the next retry after its TTL instead. The status test is repeated on
+    the DELETE because READ COMMITTED re-checks only the DELETE's own WHERE.
+    """
     return conn.execute(_PURGE_EXPIRED, {"batch": batch, "now": now}).rowcount
 
 
@@ -223,17 +251,16 @@ _COUNT_BY_STATUS = text(
     f"""
     SELECT status, count(*) AS n,
            count(*) FILTER (WHERE status = 'processing'
-                            AND locked_at <= {_NOW} - make_interval(secs => :ttl)) AS stale
+                            AND lock_expires_at <= {_NOW}) AS stale
       FROM outbox.idempotency_keys GROUP BY status
     """
 )
 
 
-def count_keys(conn: Connection, ttl_seconds: float, now: datetime | None = None
-               ) -> dict[str, int]:
-    """Keys by status, plus `stale_processing`: claims older than the TTL."""
+def count_keys(conn: Connection, now: datetime | None = None) -> dict[str, int]:
+    """Keys by status, plus `stale_processing`: claims past their holder's own TTL."""
     out: dict[str, int] = {"processing": 0, "completed": 0, "stale_processing": 0}
-    for row in conn.execute(_COUNT_BY_STATUS, {"ttl": ttl_seconds, "now": now}):
+    for row in conn.execute(_COUNT_BY_STATUS, {"now": now}):
         out[row.status] = row.n
         out["stale_processing"] += row.stale
     return out

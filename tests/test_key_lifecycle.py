@@ -1,0 +1,135 @@
+"""An idempotency key's life after its request: purge, reuse, stale claims (issue 8.1, 8.9).
+
+Each test here failed before the fix it names: a purged key reused lost its effects, a
+`processing` claim was purged, and the stale-claim count assumed a 60 s TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Connection, Engine, text
+
+from outbox import Claim, IdempotencyGuard, StoredResponse, enqueue, fingerprint
+from outbox._idempotency import Mode
+from outbox.errors import RequestInProgress
+from outbox.sql import keys as kx
+
+ROOT = Path(__file__).resolve().parents[1]
+SCOPE = "client-7"
+MODES: list[Mode] = ["atomic", "phased"]
+
+
+def _cli(*args: str, db_url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dispatcher.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env={"DATABASE_URL": db_url, "PATH": "/usr/bin:/bin"})
+
+
+def pay(amount: int) -> object:
+    def work(conn: Connection, claim: Claim) -> StoredResponse:
+        oid = conn.execute(text("INSERT INTO public.test_orders (key, amount) VALUES (:k, :a)"
+                                " RETURNING id"), {"k": claim.key, "a": amount}).scalar_one()
+        enqueue(conn, "psp.charge", {"order": oid, "amount": amount}, claim=claim,
+                name="charge")
+        return StoredResponse(201, (), b'{"id":%d}' % oid)
+    return work
+
+
+def charges(engine: Engine) -> list[tuple[str, int]]:
+    with engine.connect() as conn:
+        return [(r.effect_key, r.payload["amount"]) for r in conn.execute(text(
+            "SELECT effect_key, payload FROM outbox.effects WHERE kind = 'psp.charge'"
+            " ORDER BY id"))]
+
+
+def purge_keys(engine: Engine, db_url: str) -> None:
+    """`outbox purge` as an operator runs it, after the keys' retention has passed."""
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox.idempotency_keys"
+                          " SET expires_at = now() - interval '1 s'"))
+    done = _cli("purge", "--older-than", "7d", db_url=db_url)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_key_reused_after_purge_enqueues_its_own_effects(engine: Engine, db_url: str,
+                                                           mode: Mode) -> None:
+    guard = IdempotencyGuard(retention=60)
+    body_a, body_b = {"amount": 100}, {"amount": 250}
+    first = guard.run(engine, SCOPE, "k", fingerprint("POST", "/pay", body_a), pay(100),
+                      mode=mode)
+    assert not first.replayed
+    purge_keys(engine, db_url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox.idempotency_keys")).scalar() == 0
+    # The README: after purge a key runs again. It must then charge again, too.
+    second = guard.run(engine, SCOPE, "k", fingerprint("POST", "/pay", body_b), pay(250),
+                       mode=mode)
+    assert not second.replayed
+    got = charges(engine)
+    assert [amount for _, amount in got] == [100, 250]
+    assert got[0][0] != got[1][0], "the receiver must not see one key for two charges"
+
+
+def test_a_retried_request_keeps_its_effect_keys_across_a_take_over(engine: Engine) -> None:
+    """The generation survives a take-over: the retry enqueues the same effect keys."""
+    guard = IdempotencyGuard(ttl=30)
+    later = IdempotencyGuard(ttl=30, clock=lambda: datetime.now(UTC) + timedelta(seconds=31))
+    crashed = guard.claim(engine, SCOPE, "k", "fp")  # ... and its process dies
+    assert isinstance(crashed, Claim) and crashed.generation is not None
+    retaken = later.claim(engine, SCOPE, "k", "fp")  # phased retaker
+    assert isinstance(retaken, Claim) and retaken.taken_over
+    assert retaken.generation == crashed.generation
+    assert retaken.effect_key("psp.charge", "charge") == crashed.effect_key(
+        "psp.charge", "charge")
+    # An atomic retaker of an expired phased claim keeps it too, and stores it.
+    crashed2 = guard.claim(engine, SCOPE, "k2", "fp")
+    assert isinstance(crashed2, Claim)
+    with engine.begin() as conn:
+        begun = later.begin(conn, SCOPE, "k2", "fp")
+        assert isinstance(begun, Claim) and begun.taken_over
+        assert begun.generation == crashed2.generation
+        later.complete(conn, begun, StoredResponse(200))
+    with engine.connect() as conn:
+        stored = conn.execute(text("SELECT generation FROM outbox.idempotency_keys"
+                                   " WHERE key = 'k2'")).scalar_one()
+    assert stored == crashed2.generation
+    later.release(engine, retaken)
+
+
+def test_purge_never_deletes_a_processing_claim(engine: Engine, db_url: str) -> None:
+    """F11: the reaper deletes only completed keys, however old a claim is."""
+    guard = IdempotencyGuard(retention=1)
+    long_ago = datetime.now(UTC) - timedelta(days=30)
+    slow = IdempotencyGuard(retention=1, clock=lambda: long_ago)
+    assert isinstance(slow.claim(engine, SCOPE, "still-running", "fp"), Claim)
+    guard.run(engine, SCOPE, "done", "fp", lambda c, cl: StoredResponse(200))
+    purge_keys(engine, db_url)
+    with engine.connect() as conn:
+        left = conn.execute(text("SELECT key, status FROM outbox.idempotency_keys")).all()
+    assert [(r.key, r.status) for r in left] == [("still-running", "processing")]
+
+
+def test_status_counts_stale_claims_by_their_own_ttl(engine: Engine, db_url: str) -> None:
+    past = datetime.now(UTC) - timedelta(seconds=120)
+    for key, ttl in (("short", 60.0), ("long", 3600.0), ("tiny", 5.0)):
+        guard = IdempotencyGuard(ttl=ttl, clock=lambda: past)
+        assert isinstance(guard.claim(engine, SCOPE, key, "fp"), Claim)
+    assert isinstance(IdempotencyGuard(ttl=5.0).claim(engine, SCOPE, "new", "fp"), Claim)
+    with engine.connect() as conn:
+        counts = kx.count_keys(conn)
+    assert counts == {"processing": 4, "completed": 0, "stale_processing": 2}
+    done = _cli("status", "--json", db_url=db_url)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["idempotency_keys"]["stale_processing"] == 2
+    # And the 10-minute claim is not taken over after the default 60 s either.
+    hurried = IdempotencyGuard(ttl=60, clock=lambda: past + timedelta(seconds=200))
+    with pytest.raises(RequestInProgress):
+        hurried.claim(engine, SCOPE, "long", "fp")
+    assert isinstance(hurried.claim(engine, SCOPE, "short", "fp"), Claim)
