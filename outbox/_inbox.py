@@ -248,7 +248,15 @@ def _ingest(conn: Connection, prepared: Sequence[sql.NewEvent], *, processed: bo
         else:
             outcomes[i] = InboxOutcome.CONFLICT
             key_conflicts.append(p)
-    # Counters lock existing rows: take those locks before any entity lock.
+    # Counters lock existing rows: all of them at once, in key order, before any
+    # entity lock. Two counting statements each sorted on its own would not do: a
+    # batch counting a conflict on x and a duplicate on y locks x then y, and one
+    # with the roles swapped y then x (40P01).
+    counted = {(p.source, p.event_id) for p in key_conflicts}
+    if count_duplicates:
+        counted |= dup_counts.keys()
+    if len(counted) > 1:
+        sql.lock_events(conn, sorted(counted))
     if key_conflicts:
         sql.record_conflicts(conn, key_conflicts, now=now)
     if count_duplicates and dup_counts:
@@ -322,6 +330,8 @@ def _decide_versions(conn: Connection, prepared: Sequence[sql.NewEvent],
             else:
                 outcomes[i] = InboxOutcome.STALE
     if version_conflicts:
+        # Rows this transaction inserted: no other transaction can hold their locks,
+        # so counting them after the entity locks adds no lock-order edge.
         sql.record_conflicts(conn, version_conflicts, now=now)
     return in_force
 

@@ -19,17 +19,19 @@ body are 422 (FastAPI's convention); a bad `Idempotency-Key` or non-JSON body is
 # No `from __future__ import annotations`: FastAPI resolves the endpoints' annotations
 # at runtime, and they refer to a dependency local to `create_app`.
 import argparse
+import logging
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import FrameType
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from fastapi import Depends, FastAPI, Path, Request
 from pydantic import BaseModel, Field
 from sqlalchemy import Connection, Engine, insert, select, text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
@@ -104,8 +106,60 @@ def _body_schema(model: type[BaseModel], *, array: bool = False) -> dict[str, An
             "413": problem_openapi(f"The body is larger than {DEFAULT_MAX_BODY} bytes"),
             "415": problem_openapi("The body is not UTF-8 application/json"),
             "422": problem_openapi("A parameter FastAPI rejects (events themselves get 400)"),
+            "503": problem_openapi("The database failed or was too busy; send the event "
+                                   "again after `Retry-After` seconds (a copy that was "
+                                   "recorded is answered as a duplicate)"),
         },
     }
+
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+# PostgreSQL rolled the whole transaction back, and nothing of it is left: running it
+# again is exactly the sender's redelivery, only sooner.
+RETRIED_ONCE = frozenset({"40P01", "40001"})  # deadlock, serialization failure
+# The database works but made us wait too long: lock_timeout, statement_timeout.
+BUSY = RETRIED_ONCE | {"55P03", "57014"}
+
+
+def _ingestion_problem(exc: DBAPIError | PoolTimeout) -> Problem:
+    """A database error at a webhook endpoint: 503 + Retry-After, never a 500.
+
+    A 500 reads as "this event is bad" in some senders' logs; it is not. Whatever
+    failed, resending is safe: ingestion is idempotent.
+    """
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    log.warning("webhook ingestion failed (SQLSTATE %s): %s", sqlstate, exc)
+    if isinstance(exc, PoolTimeout) or sqlstate in BUSY:
+        return Problem(503, "the database was too busy to record the event (a lock wait "
+                       "or a deadlock); nothing was recorded: send it again",
+                       code="database_busy", headers={"Retry-After": "1"})
+    return Problem(503, "the database failed while recording the event; it may or may "
+                   "not be recorded: send it again (a recorded copy is answered as a "
+                   "duplicate)", code="database_unavailable", headers={"Retry-After": "5"})
+
+
+def _ingest_in_transaction(db: Engine, work: Callable[[Connection], T]) -> T:
+    """Run `work` in one transaction, once more after a deadlock or serialization failure.
+
+    The inbox takes its row locks in one order, so two ingestions never deadlock each
+    other; other transactions on the same rows still can (one that locks inbox rows
+    itself, a handler's own rows, a purge racing a re-insert). One immediate retry
+    turns that into a normal answer; a second failure, and any other database error,
+    is a 503 problem. A lost connection is not retried: the database is likely down.
+    """
+    try:
+        try:
+            with db.begin() as conn:
+                return work(conn)
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) not in RETRIED_ONCE:
+                raise
+            log.info("webhook ingestion rolled back (%s); retrying once", exc.orig)
+        with db.begin() as conn:
+            return work(conn)
+    except (DBAPIError, PoolTimeout) as exc:
+        raise _ingestion_problem(exc) from exc
 
 
 SourceParam = Annotated[str, Path(
@@ -177,13 +231,13 @@ def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic
         return _payment_json(row)
 
     def _ingest_one(event: IncomingEvent) -> str:
-        with db.begin() as conn:
-            return ingest(conn, event.source, event.event_id, event.payload,
-                          event.version, event.entity).outcome.value
+        return _ingest_in_transaction(db, lambda conn: ingest(
+            conn, event.source, event.event_id, event.payload, event.version,
+            event.entity).outcome.value)
 
     def _ingest_batch(events: list[IncomingEvent]) -> list[str]:
-        with db.begin() as conn:
-            return [r.outcome.value for r in ingest_many(conn, events, count_duplicates=True)]
+        return _ingest_in_transaction(db, lambda conn: [
+            r.outcome.value for r in ingest_many(conn, events, count_duplicates=True)])
 
     @app.post("/webhooks/{source}", response_model=Outcome,
               openapi_extra=_body_schema(WebhookEvent))

@@ -3,6 +3,14 @@
 Keys travel as parallel arrays through `unnest(...) WITH ORDINALITY ... ORDER BY n`:
 one statement per step whatever the batch size, and rows are locked in the order the
 caller sorted them, so two overlapping batches cannot deadlock on each other's keys.
+
+An `UPDATE ... FROM unnest(...)` locks rows in whatever order its join produces (a
+2-key and a 500-key batch get different plans), so the inbox rows an ingestion
+updates are first locked together by `lock_events`, whose ORDER BY sits below the
+row locking. The caller's transaction therefore takes its locks in one order: new
+keys (INSERT, sorted), then existing inbox rows (`lock_events`, sorted), then
+entities (`apply_versions`, sorted); after that it only writes rows it holds or
+inserted itself.
 """
 
 from __future__ import annotations
@@ -148,6 +156,34 @@ def get_fingerprints(conn: Connection, keys: Sequence[Key]) -> dict[Key, str]:
             for r in conn.execute(_GET_FINGERPRINTS, params)}
 
 
+# ORDER BY is applied below the row locks (LockRows runs on sorted rows), so the rows
+# are locked one after another in the caller's order. NO KEY UPDATE is the lock the
+# counters' UPDATEs take anyway; the purge's FOR UPDATE SKIP LOCKED skips them.
+_LOCK_EVENTS = text(
+    """
+    SELECT i.source, i.event_id
+      FROM unnest(CAST(:sources AS text[]), CAST(:event_ids AS text[]))
+           WITH ORDINALITY AS k(s, e, n)
+      JOIN outbox.inbox i ON i.source = k.s AND i.event_id = k.e
+     ORDER BY k.n
+       FOR NO KEY UPDATE OF i
+    """
+)
+
+
+def lock_events(conn: Connection, keys: Sequence[Key]) -> set[Key]:
+    """Lock the stored rows of `keys` until commit, in sorted key order; returns those found.
+
+    Called before `record_conflicts`/`count_duplicates` update several rows: each of
+    those statements alone is one order, but two of them in a row (conflicts, then
+    duplicates) would lock x then y in one batch and y then x in a batch with the
+    roles swapped: a deadlock (40P01).
+    """
+    ordered = sorted(keys)
+    params = {"sources": [k[0] for k in ordered], "event_ids": [k[1] for k in ordered]}
+    return {(r.source, r.event_id) for r in conn.execute(_LOCK_EVENTS, params)}
+
+
 # Opt-in: the UPDATE locks the row until the caller commits, so every further copy of
 # a hot key queues behind it (docs/ingestion.md has the measurement).
 _COUNT_DUPLICATES = text(
@@ -161,7 +197,7 @@ _COUNT_DUPLICATES = text(
 
 
 def count_duplicates(conn: Connection, counts: dict[Key, int]) -> None:
-    """Add to the in-row duplicate tallies (keys sorted: a stable lock order)."""
+    """Add to the in-row duplicate tallies; several rows: `lock_events` them first."""
     keys = sorted(counts)
     params = {"sources": [k[0] for k in keys], "event_ids": [k[1] for k in keys],
               "counts": [counts[k] for k in keys]}
@@ -191,7 +227,11 @@ _RECORD_CONFLICTS = text(
 
 def record_conflicts(conn: Connection, conflicts: Sequence[NewEvent],
                      now: datetime | None = None) -> None:
-    """Keep each refused payload as evidence and count it on the stored event's row."""
+    """Keep each refused payload as evidence and count it on the stored event's row.
+
+    The counting UPDATE's lock order follows its plan: lock several rows with
+    `lock_events` first (rows this transaction inserted need no lock).
+    """
     rows = sorted(conflicts, key=lambda e: (e.source, e.event_id))
     params: dict[str, Any] = {
         "sources": [e.source for e in rows],
