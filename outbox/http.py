@@ -22,7 +22,8 @@ scope); an sf-string `"abc"` is the same key as the bare token `abc`. Bodies (B1
 strict UTF-8 JSON, at most `max_body` bytes; a non-JSON media type, another charset or
 any `Content-Encoding` is a 415 (bodies are fingerprinted as parsed, never inflated).
 
-Keys are scoped by tenant only (`tenant_scope`), not by endpoint: the fingerprint
+Keys are scoped by client (`client_scope`: the identity your authentication resolved,
+and `X-Tenant`), never by credential and not by endpoint: the fingerprint
 covers method and path, so the same key sent to another endpoint is a 422, never a
 silent second execution.
 
@@ -45,12 +46,12 @@ failures are never cached); a response `work` returns, 4xx included, is stored.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Generic, TypeVar, cast
+from urllib.parse import quote
 
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -89,12 +90,15 @@ __all__ = [
     "ProblemResponse",
     "UnsupportedMediaType",
     "check_json_media_type",
+    "client_scope",
+    "header_scope",
     "inline_refs",
     "install_problem_handlers",
     "problem_openapi",
     "problem_response",
     "problem_type",
     "read_body",
+    "shared_scope",
     "tenant_scope",
     "to_response",
 ]
@@ -244,29 +248,81 @@ def _summarise(errors: list[dict[str, Any]]) -> str:
 # -- request parsing ------------------------------------------------------------------
 
 
-def tenant_scope(request: Request) -> str:
-    """Default key scope: the caller's credentials and tenant header, never the endpoint.
-
-    `Authorization` is hashed (tokens never reach the database); `X-Tenant` is used as
-    is (trust it only behind a proxy that sets it). Requests with neither share the
-    `anonymous` scope. Pass your own callable when identity comes from elsewhere.
-    """
-    parts: list[str] = []
+def _tenant_part(request: Request) -> str | None:
     tenants = request.headers.getlist("x-tenant")
     if len(tenants) > 1:
         raise InvalidTenant("send at most one X-Tenant header")
-    if tenants:
-        tenant = tenants[0].strip()
-        if not tenant or len(tenant) > MAX_TENANT_LENGTH or not all(
-                0x20 <= ord(c) <= 0x7E for c in tenant):
-            raise InvalidTenant(
-                f"X-Tenant must be 1-{MAX_TENANT_LENGTH} printable ASCII characters")
-        parts.append(f"tenant:{tenant}")
-    auth = request.headers.getlist("authorization")
-    if auth:
-        digest = hashlib.sha256("\n".join(auth).encode("latin-1")).hexdigest()[:32]
-        parts.append(f"auth:{digest}")
+    if not tenants:
+        return None
+    tenant = tenants[0].strip()
+    if not tenant or len(tenant) > MAX_TENANT_LENGTH or not all(
+            0x20 <= ord(c) <= 0x7E for c in tenant):
+        raise InvalidTenant(
+            f"X-Tenant must be 1-{MAX_TENANT_LENGTH} printable ASCII characters")
+    return f"tenant:{tenant}"
+
+
+def _user_identity(request: Request) -> str | None:
+    """The identity the application resolved (Starlette's `request.user`), if any."""
+    user = request.scope.get("user")
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    for attr in ("identity", "display_name"):
+        try:
+            value = getattr(user, attr)
+        except NotImplementedError:
+            continue
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def client_scope(request: Request) -> str:
+    """Default key scope: who the client is, never its credential, never the endpoint.
+
+    A client that refreshes its token and retries (the flaky mobile client) is the
+    same client, so the scope must not change with the credential: hashing the raw
+    `Authorization` header ran such a retry twice. The identity is the one your
+    authentication resolved: an authenticated `request.user` (Starlette's
+    `AuthenticationMiddleware`, or any middleware that sets `scope["user"]`) gives
+    `user:<identity>`. `X-Tenant` is added as is (trust it only behind a proxy that
+    sets it). With neither, every client shares the `anonymous` key space: safe only
+    when keys are unguessable (UUIDv4). An application without authentication should
+    choose explicitly: `scope=header_scope("X-Client-Id")` behind a gateway that sets
+    it, or `scope=shared_scope` to say that one key space is intended.
+    """
+    tenant, identity = _tenant_part(request), _user_identity(request)
+    parts = [tenant] if tenant else []
+    if identity:
+        parts.append(f"user:{identity}")
     return "|".join(parts) or "anonymous"
+
+
+tenant_scope = client_scope  # the name before issue 8; kept for existing imports
+
+
+def shared_scope(request: Request) -> str:
+    """One key space for every client: the explicit choice of an app with no identity."""
+    return "shared"
+
+
+def header_scope(name: str) -> Callable[[Request], str]:
+    """Scope by a header your gateway sets after authenticating (never a client's own).
+
+    A request without it is a 400: silently sharing a scope is how one client's key
+    replays another client's response.
+    """
+    header = name.lower()
+
+    def scope(request: Request) -> str:
+        values = request.headers.getlist(header)
+        if len(values) != 1 or not values[0].strip() or len(values[0]) > MAX_TENANT_LENGTH \
+                or not all(0x20 <= ord(c) <= 0x7E for c in values[0]):
+            raise InvalidTenant(f"send exactly one {name} header of 1-{MAX_TENANT_LENGTH}"
+                                " printable ASCII characters")
+        return f"{header}:{values[0].strip()}"
+
+    return scope
 
 
 def check_json_media_type(request: Request) -> None:
@@ -309,11 +365,17 @@ async def read_body(request: Request, max_bytes: int = DEFAULT_MAX_BODY) -> byte
 
 
 def _request_path(request: Request) -> str:
-    """Path plus the sorted query: part of the fingerprint, so a change is a 422."""
+    """Path plus the sorted, decoded query, re-encoded: part of the fingerprint.
+
+    Each name and value is percent-encoded again (`&`, `=` and `%` included), so
+    `?a=b&c=d` and `?a=b%26c%3Dd` (one parameter whose value holds `&`) differ, and a
+    second request with the other query is a 422, not the first one's replay.
+    """
     query = sorted(request.query_params.multi_items())
     if not query:
         return request.url.path
-    return request.url.path + "?" + "&".join(f"{k}={v}" for k, v in query)
+    return request.url.path + "?" + "&".join(
+        f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in query)
 
 
 def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
@@ -376,7 +438,7 @@ class Idempotency(Generic[M]):
         engine: Engine | Callable[[Request], Engine] | None = None,
         guard: IdempotencyGuard | None = None,
         mode: Mode = "atomic",
-        scope: Callable[[Request], str] = tenant_scope,
+        scope: Callable[[Request], str] = client_scope,
         max_body: int = DEFAULT_MAX_BODY,
         max_stored_body: int = DEFAULT_MAX_STORED_BODY,
         stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,

@@ -495,7 +495,8 @@ def test_b12_same_key_other_tenant_is_independent(client: TestClient,
     results = [
         client.post("/payments", json=PAYMENT, headers={**key, **extra})
         for extra in ({"X-Tenant": "acme"}, {"X-Tenant": "globex"},
-                      {"Authorization": "Bearer token-1"}, {"Authorization": "Bearer token-2"},
+                      {"Authorization": "Bearer client-1.s3cret"},
+                      {"Authorization": "Bearer client-2.s3cret"},
                       {})
     ]
     assert [r.status_code for r in results] == [201] * 5
@@ -507,7 +508,7 @@ def test_b12_same_key_other_tenant_is_independent(client: TestClient,
     assert other.status_code == 201
     with payments_db.connect() as conn:
         scopes = conn.execute(text("SELECT scope FROM outbox.idempotency_keys")).scalars().all()
-    assert not any("token-1" in s for s in scopes), "credentials must not be stored"
+    assert not any("s3cret" in s for s in scopes), "credentials must not be stored"
 
 
 def test_b13_same_key_on_another_path_or_method_is_422(lib_client: TestClient,
@@ -519,6 +520,41 @@ def test_b13_same_key_on_another_path_or_method_is_422(lib_client: TestClient,
     assert_problem(lib_client.post("/a?x=1", json={"x": 1}, headers=key), 422)
     assert orders(engine) == 1
     assert processing_keys(engine) == 0
+
+
+def test_query_strings_that_differ_only_in_encoding_do_not_share_a_fingerprint(
+        lib_client: TestClient, engine: Engine) -> None:
+    """Issue 8.7: `?a=b&c=d` (two parameters) is not `?a=b%26c%3Dd` (one, holding `&`)."""
+    key = {"Idempotency-Key": "query-key"}
+    assert lib_client.post("/a?a=b&c=d", json={"x": 1}, headers=key).status_code == 201
+    assert_problem(lib_client.post("/a?a=b%26c%3Dd", json={"x": 1}, headers=key), 422)
+    assert_problem(lib_client.post("/a?a=b%3Dc&d", json={"x": 1}, headers=key), 422)
+    # The same parameters in another order, or spelt with other escapes, are the same.
+    again = lib_client.post("/a?c=d&a=%62", json={"x": 1}, headers=key)
+    assert again.status_code == 201 and again.headers[REPLAYED_HEADER] == "true"
+    assert orders(engine) == 1
+
+
+def test_a_client_retrying_with_a_refreshed_token_gets_the_replay(
+        client: TestClient, payments_db: Engine) -> None:
+    """Issue 8.8: the scope is the client, not the credential it happened to send."""
+    key = {"Idempotency-Key": "refresh-key"}
+    first = client.post("/payments", json=PAYMENT,
+                        headers={**key, "Authorization": "Bearer mobile-7.token-issued-at-9h"})
+    retry = client.post("/payments", json=PAYMENT,
+                        headers={**key, "Authorization": "Bearer mobile-7.token-issued-at-10h"})
+    assert first.status_code == retry.status_code == 201
+    assert retry.headers[REPLAYED_HEADER] == "true" and retry.content == first.content
+    other = client.post("/payments", json=PAYMENT,
+                        headers={**key, "Authorization": "Bearer mobile-8.token"})
+    assert other.status_code == 201 and REPLAYED_HEADER.lower() not in other.headers
+    assert payment_rows(payments_db) == 2
+    with payments_db.connect() as conn:
+        scopes = set(conn.execute(text("SELECT scope FROM outbox.idempotency_keys")).scalars())
+    assert scopes == {"user:mobile-7", "user:mobile-8"}  # no credential is stored
+    bad = client.post("/payments", json=PAYMENT, headers={**key, "Authorization": "Basic x"})
+    assert_problem(bad, 401)
+    assert payment_rows(payments_db) == 2
 
 
 def test_b15_integral_floats_and_key_order_share_a_fingerprint(lib_client: TestClient,

@@ -10,6 +10,9 @@
   counted (`outbox.inbox.events{outcome=conflict}`), never applied; a non-2xx would
   only make the sender redeliver the same bad copy for days (Stripe: 3) and hide
   real failures in the retry noise. `POST /webhooks/{source}/batch` takes an array.
+* Clients are identified by `Authorization: Bearer <client>.<secret>`
+  (examples/payments/auth.py); keys are scoped by client, so a retry with a
+  refreshed token replays, and another client's same key is its own request.
 * `GET /healthz`: 200 when the database answers and is migrated, else a 503 problem.
 
 Every error is an RFC 9457 problem+json with a `detail` member. Schema errors in a
@@ -33,8 +36,10 @@ from sqlalchemy import Connection, Engine, insert, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.responses import JSONResponse, Response
 
+from examples.payments.auth import ClientTokens, on_auth_error
 from examples.payments.schema import CURRENCIES, MAX_AMOUNT, MAX_CUSTOMER, ensure_schema, payments
 from outbox import enqueue
 from outbox._canonical import DEFAULT_MAX_BODY
@@ -193,6 +198,9 @@ def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic
                   description=__doc__, lifespan=lifespan)
     app.state.engine = db
     install_problem_handlers(app)
+    # Who the client is: the idempotency scope (outbox.http.client_scope) reads it.
+    app.add_middleware(AuthenticationMiddleware, backend=ClientTokens(),
+                       on_error=on_auth_error)
     guarded = Idempotency(PaymentIn, mode=idempotency_mode)
 
     @app.post("/payments", status_code=201, response_model=Payment,
