@@ -25,3 +25,16 @@ def test_readme_example_runs_and_replays(engine: Engine) -> None:
     finally:
         with engine.begin() as conn:
             conn.execute(text("DROP TABLE IF EXISTS public.payments"))
+
+
+def test_ci_runs_the_readme_commands_as_written() -> None:
+    """CI must fail whenever a newcomer's `uv run pytest` would (issue 8)."""
+    block = re.search(r"```bash\n(.*?)```", README.read_text(), re.S)
+    assert block is not None
+    commands = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+    assert commands == ["uv run outbox demo", "uv run pytest"]
+    ci = (README.parent / ".ci" / "run").read_text()
+    for command in commands:
+        assert re.search(rf"^{re.escape(command)}$", ci, re.M), f"CI must run {command!r}"
+    # ... with nothing set up first but uv, and no DATABASE_URL (the embedded default).
+    assert "unset DATABASE_URL" in ci and "uv sync" not in ci and "--extra" not in ci
