@@ -79,6 +79,28 @@ def run_threads(engine: Engine, n: int, target: Any) -> None:
         assert not t.is_alive()
 
 
+def blocked_by(engine: Engine, pid: int) -> set[int]:
+    """Backends waiting for a lock `pid` holds, now (a fresh snapshot on each call)."""
+    with engine.connect() as conn:
+        return {r.pid for r in conn.execute(text(
+            "SELECT pid FROM pg_stat_activity WHERE :p = ANY(pg_blocking_pids(pid))"),
+            {"p": pid})}
+
+
+def wait_for_waiters(engine: Engine, pid: int, n: int, patience: float = 120.0) -> set[int]:
+    """Return once `n` backends are blocked on `pid`: proof that the calls overlap.
+
+    Polls the lock manager's state (the only witness of a wait inside PostgreSQL);
+    the deadline only bounds a failure, it proves nothing.
+    """
+    deadline = time.monotonic() + patience
+    while len(waiting := blocked_by(engine, pid)) < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(waiting)} of {n} twins ever waited on backend {pid}")
+        time.sleep(0.01)
+    return waiting
+
+
 class Recorder:
     """Stands in for the OpenTelemetry counter so tests can read what was metered."""
 
@@ -142,18 +164,23 @@ def test_f33_fifty_concurrent_deliveries_one_row_one_handler_run(engine: Engine)
 
 def test_f33_handler_failure_rolls_back_and_a_waiting_twin_takes_over(engine: Engine) -> None:
     inbox = Inbox()
-    calls: list[int] = []
+    calls: list[int] = []  # backend pid of each handler run
     lock = threading.Lock()
+    twins = 19
+    waiting: set[int] = set()
 
     @inbox.handler("stripe")
     def on_event(conn: Connection, event: IncomingEvent) -> None:
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
         with lock:
-            calls.append(1)
+            calls.append(pid)
             first = len(calls) == 1
         conn.execute(text("INSERT INTO public.test_orders (key, amount) VALUES (:k, 1)"),
                      {"k": event.event_id})
-        time.sleep(0.05)
         if first:
+            # Fail only once every twin is blocked on this copy's uncommitted row: run
+            # one after another, the twins would never wait and this would time out.
+            waiting.update(wait_for_waiters(engine, pid, twins))
             raise RuntimeError("downstream failed")
 
     outcomes: list[InboxOutcome] = []
@@ -169,10 +196,11 @@ def test_f33_handler_failure_rolls_back_and_a_waiting_twin_takes_over(engine: En
             with lock:
                 errors.append(exc)
 
-    run_threads(engine, 20, deliver)
+    run_threads(engine, twins + 1, deliver)
     assert len(errors) == 1  # that sender gets a 5xx and redelivers later
-    assert Counter(outcomes) == {INSERTED: 1, DUPLICATE: 18}
+    assert Counter(outcomes) == {INSERTED: 1, DUPLICATE: twins - 1}
     assert len(calls) == 2
+    assert calls[1] in waiting  # the takeover is by a twin that was waiting on the first
     assert scalar(engine, "SELECT count(*) FROM outbox.inbox") == 1
     assert scalar(engine, "SELECT count(*) FROM public.test_orders") == 1
 
@@ -194,7 +222,10 @@ def test_f33_plain_ingest_concurrent_copies(engine: Engine, metered: Recorder,
     def deliver(_: int, conn: Connection) -> None:
         with conn.begin():
             r = ingest(conn, "gh", "delivery-1", {"action": "opened"})
-            time.sleep(0.02)
+            if r.outcome is INSERTED:
+                # Commit only once all 49 twins are blocked on this uncommitted row.
+                pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+                wait_for_waiters(engine, pid, 49)
         with lock:
             outcomes.append(r.outcome)
 
@@ -202,12 +233,11 @@ def test_f33_plain_ingest_concurrent_copies(engine: Engine, metered: Recorder,
     assert Counter(outcomes) == {INSERTED: 1, DUPLICATE: 49}
     assert metered.counts == {("gh", "inserted"): 1, ("gh", "duplicate"): 49}
     # Twins that waited on the first copy cannot see it in their INSERT's snapshot:
-    # they take the second-statement path; a later copy reads it in one statement.
-    waited = len(reads)
-    assert waited >= 1
+    # every one of them takes the second-statement path; a later copy reads it in one.
+    assert len(reads) == 49
     with engine.begin() as conn:
         assert ingest(conn, "gh", "delivery-1", {"action": "opened"}).outcome is DUPLICATE
-    assert len(reads) == waited
+    assert len(reads) == 49
     assert scalar(engine, "SELECT count(*) FROM outbox.inbox") == 1
 
 
