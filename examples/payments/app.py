@@ -130,8 +130,8 @@ BUSY = RETRIED_ONCE | {"55P03", "57014"}
 def _ingestion_problem(exc: DBAPIError | PoolTimeout) -> Problem:
     """A database error at a webhook endpoint: 503 + Retry-After, never a 500.
 
-    A 500 reads as "this event is bad" in some senders' logs; it is not. Whatever
-    failed, resending is safe: ingestion is idempotent.
+    A 500 says the receiver has a bug; this is a transient failure, and resending
+    is safe whatever failed: ingestion is idempotent.
     """
     sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
     log.warning("webhook ingestion failed (SQLSTATE %s): %s", sqlstate, exc)
