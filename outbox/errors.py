@@ -8,7 +8,8 @@
     │   │   └── RequestBodyTooLarge  413
     │   ├── InvalidEvent             400: a bad incoming event (ingestion)
     │   ├── UnsupportedMediaType     415: not JSON, other charset, compressed
-    │   └── InvalidTenant            400: unusable tenant header (HTTP scope)
+    │   ├── InvalidTenant            400: unusable tenant header (HTTP scope)
+    │   └── Unauthenticated          401: no client identity to scope the key by
     ├── IdempotencyConflict          the key cannot be used for this request now
     │   ├── RequestInProgress        409 + Retry-After: a twin holds the key
     │   ├── KeyReused                422: same key, different request
@@ -71,6 +72,13 @@ class InvalidTenant(InvalidInput):
     """400: the tenant header is unusable as a scope (control chars, too long, twice)."""
 
     code = "invalid_tenant"
+
+
+class Unauthenticated(InvalidInput):
+    """401: the endpoint scopes keys by client, and this request names no client."""
+
+    status = 401
+    code = "unauthenticated"
 
 
 class IdempotencyConflict(OutboxError):

@@ -74,6 +74,7 @@ from outbox.errors import (
     InvalidTenant,
     RequestBodyTooLarge,
     RequestInProgress,
+    Unauthenticated,
     UnsupportedMediaType,
 )
 
@@ -89,6 +90,7 @@ __all__ = [
     "Problem",
     "ProblemResponse",
     "UnsupportedMediaType",
+    "anonymous_scope",
     "check_json_media_type",
     "client_scope",
     "header_scope",
@@ -177,6 +179,8 @@ class Problem(HTTPException):
             headers["Retry-After"] = "1"
         elif isinstance(exc, UnsupportedMediaType):
             headers["Accept-Encoding"] = "identity"
+        elif isinstance(exc, Unauthenticated):
+            headers["WWW-Authenticate"] = "Bearer"
         return cls(exc.status, str(exc), code=exc.code, headers=headers or None)
 
     def response(self) -> Response:
@@ -259,7 +263,7 @@ def _tenant_part(request: Request) -> str | None:
             0x20 <= ord(c) <= 0x7E for c in tenant):
         raise InvalidTenant(
             f"X-Tenant must be 1-{MAX_TENANT_LENGTH} printable ASCII characters")
-    return f"tenant:{tenant}"
+    return _encoded("tenant", tenant)
 
 
 def _user_identity(request: Request) -> str | None:
@@ -277,28 +281,48 @@ def _user_identity(request: Request) -> str | None:
     return None
 
 
+def _encoded(kind: str, value: str) -> str:
+    """`kind:value` with `value` percent-encoded: no part can spell a `|` or a `:`."""
+    return f"{kind}:{quote(value, safe='')}"
+
+
 def client_scope(request: Request) -> str:
     """Default key scope: who the client is, never its credential, never the endpoint.
 
-    A client that refreshes its token and retries (the flaky mobile client) is the
-    same client, so the scope must not change with the credential: hashing the raw
-    `Authorization` header ran such a retry twice. The identity is the one your
-    authentication resolved: an authenticated `request.user` (Starlette's
-    `AuthenticationMiddleware`, or any middleware that sets `scope["user"]`) gives
-    `user:<identity>`. `X-Tenant` is added as is (trust it only behind a proxy that
-    sets it). With neither, every client shares the `anonymous` key space: safe only
-    when keys are unguessable (UUIDv4). An application without authentication should
-    choose explicitly: `scope=header_scope("X-Client-Id")` behind a gateway that sets
-    it, or `scope=shared_scope` to say that one key space is intended.
+    The identity is the one your authentication resolved: an authenticated
+    `request.user` (Starlette's `AuthenticationMiddleware`, or any middleware that sets
+    `scope["user"]`). A client that refreshes its token and retries is the same client,
+    so it gets the replay (hashing the raw credential ran such a retry twice). A request
+    with no identity is a 401: a shared key space lets one client replay another's
+    response or block its keys. `X-Tenant`, when sent, narrows the client's own scope.
+    Each part is percent-encoded, so no header value can forge another scope.
+
+    Choose another scope explicitly when that is what you mean: `anonymous_scope`
+    (identity if any, else one shared `anonymous` space: only with unguessable keys),
+    `header_scope("X-Client-Id")` behind a gateway that sets it, or your own callable.
     """
-    tenant, identity = _tenant_part(request), _user_identity(request)
-    parts = [tenant] if tenant else []
-    if identity:
-        parts.append(f"user:{identity}")
-    return "|".join(parts) or "anonymous"
+    identity = _user_identity(request)
+    if identity is None:
+        raise Unauthenticated("authenticate first: idempotency keys are scoped by client")
+    return _with_tenant(request, _encoded("user", identity))
 
 
-tenant_scope = client_scope  # the name before issue 8; kept for existing imports
+def anonymous_scope(request: Request) -> str:
+    """`client_scope`, but a request without identity shares the `anonymous` space.
+
+    The explicit opt-in for a public endpoint: anyone who guesses a key there can
+    replay its response or claim it first, so clients must send random keys (UUIDv4).
+    """
+    identity = _user_identity(request)
+    return _with_tenant(request, _encoded("user", identity) if identity else "anonymous")
+
+
+def _with_tenant(request: Request, scope: str) -> str:
+    tenant = _tenant_part(request)
+    return f"{tenant}|{scope}" if tenant else scope
+
+
+tenant_scope = anonymous_scope  # the pre-issue-8 name and behaviour, minus the credential
 
 
 def shared_scope(request: Request) -> str:
@@ -320,7 +344,7 @@ def header_scope(name: str) -> Callable[[Request], str]:
                 or not all(0x20 <= ord(c) <= 0x7E for c in values[0]):
             raise InvalidTenant(f"send exactly one {name} header of 1-{MAX_TENANT_LENGTH}"
                                 " printable ASCII characters")
-        return f"{header}:{values[0].strip()}"
+        return _encoded(header, values[0].strip())
 
     return scope
 
@@ -460,9 +484,9 @@ class Idempotency(Generic[M]):
     async def __call__(self, request: Request) -> IdempotentRequest[M]:
         """Validate everything a client can get wrong; no database work happens here."""
         try:
+            scope = self.scope(request)  # who first: a 401 before any other complaint
             key = parse_idempotency_key(request.headers.getlist("idempotency-key"))
             assert key is not None
-            scope = self.scope(request)
             check_json_media_type(request)
             raw = await read_body(request, self.max_body)
             document = parse_json_body(raw, max_bytes=self.max_body)

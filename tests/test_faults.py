@@ -64,6 +64,7 @@ with warnings.catch_warnings():  # as in test_http: starlette would rather have 
 
 ROOT = Path(__file__).resolve().parents[1]
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "faults@example.com"}
+CLIENT = {"Authorization": "Bearer faults-client"}  # the example's open demo mode
 
 
 # --------------------------------------------------------------------------- helpers
@@ -167,7 +168,8 @@ def test_f08_connection_lost_during_commit_is_503_and_the_retry_converges(
     seen: list[dict[str, Any]] = []
     try:
         with TestClient(create_app(api, idempotency_mode=mode),
-                        raise_server_exceptions=False) as client:
+                        raise_server_exceptions=False,
+                        headers={"Authorization": "Bearer f08-client"}) as client:
             for i in range(trials):
                 landed = i % 2 == 0
                 key = f"f08-{mode}-{i}"
@@ -234,13 +236,15 @@ def test_f07_answer_lost_after_commit_is_replayed_not_reexecuted(payments_db: En
                 body = {**PAYMENT, "amount": 700 + i}
                 proxy.set_mode("drop_reply", times=1)
                 with httpx.Client(base_url=f"http://127.0.0.1:{proxy.port}", timeout=10,
-                                  trust_env=False) as cut, pytest.raises(httpx.TransportError):
+                                  trust_env=False, headers=CLIENT) as cut, \
+                        pytest.raises(httpx.TransportError):
                     cut.post("/payments", json=body, headers={"Idempotency-Key": key})
                 wait_until(lambda: len(proxy.dropped) > i, 5,  # noqa: B023 (called now)
                            interval=0.01, message="the swallowed answer")
                 status, lost = split_http(proxy.dropped[i])
                 assert status == 201  # the server answered; the client never saw it
-                with httpx.Client(base_url=base, timeout=10, trust_env=False) as healthy:
+                with httpx.Client(base_url=base, timeout=10, trust_env=False,
+                                  headers=CLIENT) as healthy:
                     retry = healthy.post("/payments", json=body,
                                          headers={"Idempotency-Key": key})
                 assert retry.status_code == 201

@@ -35,6 +35,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
 from examples.payments.app import create_app
+from examples.payments.auth import BearerTokens
 from examples.payments.schema import ensure_schema
 from outbox import Claim, IdempotencyGuard
 from outbox._canonical import fingerprint
@@ -48,6 +49,7 @@ from outbox.http import (
     IdempotentRequest,
     Problem,
     _database_problem,
+    anonymous_scope,
     install_problem_handlers,
 )
 
@@ -58,6 +60,10 @@ with warnings.catch_warnings():  # starlette would rather have `httpx2`; httpx w
 ROOT = Path(__file__).resolve().parents[1]
 MODES: list[Mode] = ["atomic", "phased"]
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "alice@example.com"}
+# The example's clients (DESIGN §8): tok-a and tok-b are one identity, as after a refresh.
+AUTH = BearerTokens({"test-token": "tester", "tok-a": "alice", "tok-b": "alice",
+                     "tok-c": "bob"})
+AS_CLIENT = {"Authorization": "Bearer test-token"}
 PAYMENT_BYTES = json.dumps(PAYMENT).encode()
 MiB = 1_048_576
 
@@ -80,13 +86,14 @@ def mode(request: pytest.FixtureRequest) -> Mode:
 
 @pytest.fixture
 def client(payments_db: Engine, mode: Mode) -> Iterator[TestClient]:
-    with TestClient(create_app(payments_db, idempotency_mode=mode)) as c:
+    with TestClient(create_app(payments_db, idempotency_mode=mode, auth=AUTH),
+                    headers=AS_CLIENT) as c:
         yield c
 
 
 @pytest.fixture
 def atomic_client(payments_db: Engine) -> Iterator[TestClient]:
-    with TestClient(create_app(payments_db)) as c:
+    with TestClient(create_app(payments_db, auth=AUTH), headers=AS_CLIENT) as c:
         yield c
 
 
@@ -129,6 +136,7 @@ def library_app(engine: Engine, mode: Mode, **options: Any) -> LibraryApp:
     app = FastAPI()
     install_problem_handlers(app)
     app.state.engine = engine
+    options.setdefault("scope", anonymous_scope)  # no auth here: the explicit opt-in
     guard = Idempotency(dict, mode=mode, **options)
     lib = LibraryApp(app)
     Req = Annotated[IdempotentRequest[dict[str, Any]], Depends(guard)]
@@ -275,9 +283,9 @@ def test_create_payment_writes_one_row_and_two_effects(client: TestClient,
     assert receipt == {"payment_id": body["id"], "customer": "alice@example.com"}
     # Effect keys derive from (scope, key, record generation, kind, name): a retry
     # re-enqueues the same ones; a reuse after purge gets new ones.
-    assert key.scope == "anonymous" and key.status == "completed"
+    assert key.scope == "user:tester" and key.status == "completed"
     assert key.response_status == 201
-    claim = Claim("anonymous", "order-1", "", "atomic", uuid.uuid4(),
+    claim = Claim("user:tester", "order-1", "", "atomic", uuid.uuid4(),
                   generation=key.generation)
     assert {e.effect_key for e in effects} == {
         claim.effect_key("psp.charge", "charge"), claim.effect_key("email.receipt", "receipt")}
@@ -495,8 +503,7 @@ def test_b12_same_key_other_tenant_is_independent(client: TestClient,
     results = [
         client.post("/payments", json=PAYMENT, headers={**key, **extra})
         for extra in ({"X-Tenant": "acme"}, {"X-Tenant": "globex"},
-                      {"Authorization": "Bearer client-1.s3cret"},
-                      {"Authorization": "Bearer client-2.s3cret"},
+                      {"Authorization": "Bearer tok-a"}, {"Authorization": "Bearer tok-c"},
                       {})
     ]
     assert [r.status_code for r in results] == [201] * 5
@@ -508,7 +515,7 @@ def test_b12_same_key_other_tenant_is_independent(client: TestClient,
     assert other.status_code == 201
     with payments_db.connect() as conn:
         scopes = conn.execute(text("SELECT scope FROM outbox.idempotency_keys")).scalars().all()
-    assert not any("s3cret" in s for s in scopes), "credentials must not be stored"
+    assert not any("tok-" in s for s in scopes), "credentials must not be stored"
 
 
 def test_b13_same_key_on_another_path_or_method_is_422(lib_client: TestClient,
@@ -539,22 +546,52 @@ def test_a_client_retrying_with_a_refreshed_token_gets_the_replay(
         client: TestClient, payments_db: Engine) -> None:
     """Issue 8.8: the scope is the client, not the credential it happened to send."""
     key = {"Idempotency-Key": "refresh-key"}
-    first = client.post("/payments", json=PAYMENT,
-                        headers={**key, "Authorization": "Bearer mobile-7.token-issued-at-9h"})
-    retry = client.post("/payments", json=PAYMENT,
-                        headers={**key, "Authorization": "Bearer mobile-7.token-issued-at-10h"})
+    first = client.post("/payments", json=PAYMENT, headers={**key, "Authorization": "Bearer tok-a"})
+    retry = client.post("/payments", json=PAYMENT, headers={**key, "Authorization": "Bearer tok-b"})
     assert first.status_code == retry.status_code == 201
     assert retry.headers[REPLAYED_HEADER] == "true" and retry.content == first.content
-    other = client.post("/payments", json=PAYMENT,
-                        headers={**key, "Authorization": "Bearer mobile-8.token"})
+    other = client.post("/payments", json=PAYMENT, headers={**key, "Authorization": "Bearer tok-c"})
     assert other.status_code == 201 and REPLAYED_HEADER.lower() not in other.headers
     assert payment_rows(payments_db) == 2
     with payments_db.connect() as conn:
         scopes = set(conn.execute(text("SELECT scope FROM outbox.idempotency_keys")).scalars())
-    assert scopes == {"user:mobile-7", "user:mobile-8"}  # no credential is stored
-    bad = client.post("/payments", json=PAYMENT, headers={**key, "Authorization": "Basic x"})
-    assert_problem(bad, 401)
+    assert scopes == {"user:alice", "user:bob"}  # no credential is stored
+    # Only its owner sees a payment; to anyone else it does not exist.
+    pid = first.json()["id"]
+    assert client.get(f"/payments/{pid}", headers={"Authorization": "Bearer tok-b"}
+                      ).status_code == 200
+    assert_problem(client.get(f"/payments/{pid}", headers={"Authorization": "Bearer tok-c"}),
+                   404)
+    for bad in ("Basic x", "Bearer unknown-token", "Bearer "):
+        assert_problem(client.post("/payments", json=PAYMENT,
+                                   headers={**key, "Authorization": bad}), 401)
     assert payment_rows(payments_db) == 2
+
+
+def test_no_token_is_401_before_anything_else(payments_db: Engine) -> None:
+    """DESIGN §8: a request without a token gets 401, and nothing is stored."""
+    with TestClient(create_app(payments_db, auth=AUTH)) as anonymous:
+        for headers in ({"Idempotency-Key": "k"}, {}):
+            resp = anonymous.post("/payments", json=PAYMENT, headers=headers)
+            assert_problem(resp, 401)
+            assert resp.headers["WWW-Authenticate"] == "Bearer"
+        assert_problem(anonymous.get("/payments/1"), 401)
+    assert payment_rows(payments_db) == 0
+    assert processing_keys(payments_db) == 0
+
+
+def test_a_forged_tenant_header_cannot_spell_another_scope(
+        client: TestClient, payments_db: Engine) -> None:
+    """Issue 16: scope parts are encoded, so `X-Tenant: a|user:bob` is not bob's scope."""
+    key = {"Idempotency-Key": "forge-key"}
+    bobs = client.post("/payments", json=PAYMENT,
+                       headers={**key, "X-Tenant": "acme", "Authorization": "Bearer tok-c"})
+    forged = client.post("/payments", json=PAYMENT,
+                         headers={**key, "X-Tenant": "acme|user:bob",
+                                  "Authorization": "Bearer tok-a"})
+    assert bobs.status_code == forged.status_code == 201
+    assert REPLAYED_HEADER.lower() not in forged.headers
+    assert forged.json()["id"] != bobs.json()["id"]
 
 
 def test_b15_integral_floats_and_key_order_share_a_fingerprint(lib_client: TestClient,
@@ -649,7 +686,7 @@ def test_database_down_is_503_outcome_unknown(payments_db: Engine) -> None:
     dead = make_engine("postgresql://root@127.0.0.1:1/test", pool_pre_ping=False)
     app = FastAPI()
     install_problem_handlers(app)
-    guard = Idempotency(dict, engine=dead)
+    guard = Idempotency(dict, engine=dead, scope=anonymous_scope)
 
     @app.post("/x")
     def x(req: Annotated[IdempotentRequest[dict[str, Any]], Depends(guard)]) -> Response:
@@ -672,9 +709,9 @@ def test_b16_concurrent_twins_get_409_through_uvicorn(payments_db: Engine, mode:
     results: list[httpx.Response] = []
     lock = threading.Lock()
 
-    with serving(create_app(payments_db, idempotency_mode=mode)) as base:
+    with serving(create_app(payments_db, idempotency_mode=mode, auth=AUTH)) as base:
         def hit() -> None:
-            with httpx.Client(base_url=base, timeout=30) as c:
+            with httpx.Client(base_url=base, timeout=30, headers=AS_CLIENT) as c:
                 barrier.wait()
                 r = c.post("/payments", json=PAYMENT, headers={"Idempotency-Key": "storm"})
             with lock:
@@ -703,7 +740,7 @@ def test_b16_concurrent_twins_get_409_through_uvicorn(payments_db: Engine, mode:
 
 def test_in_flight_request_gets_409_then_the_replay(engine: Engine, mode: Mode) -> None:
     lib = library_app(engine, mode)
-    with serving(lib.app) as base, httpx.Client(base_url=base, timeout=30) as c:
+    with serving(lib.app) as base, httpx.Client(base_url=base, timeout=30, headers=AS_CLIENT) as c:
         key = {"Idempotency-Key": "slow-key"}
         first: list[httpx.Response] = []
         t = threading.Thread(target=lambda: first.append(
@@ -730,7 +767,7 @@ def test_in_flight_request_gets_409_then_the_replay(engine: Engine, mode: Mode) 
 
 def test_key_held_by_another_transaction_is_409(payments_db: Engine,
                                                 atomic_client: TestClient) -> None:
-    lock_id = advisory_lock_id("anonymous", "held-key")
+    lock_id = advisory_lock_id("user:tester", "held-key")
     with payments_db.begin() as conn:
         conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": lock_id})
         started = time.monotonic()
@@ -747,9 +784,10 @@ def test_key_held_by_another_transaction_is_409(payments_db: Engine,
 def test_expired_phased_claim_is_taken_over(payments_db: Engine) -> None:
     """A crashed phased request left `processing`: 409 before the TTL, retaken after."""
     guard = IdempotencyGuard(ttl=60)
-    with TestClient(create_app(payments_db, idempotency_mode="phased")) as client:
+    with TestClient(create_app(payments_db, idempotency_mode="phased", auth=AUTH),
+                    headers=AS_CLIENT) as client:
         fp = fingerprint("POST", "/payments", PAYMENT)
-        claimed = guard.claim(payments_db, "anonymous", "crashed", fp)
+        claimed = guard.claim(payments_db, "user:tester", "crashed", fp)
         assert isinstance(claimed, Claim)
         headers = {"Idempotency-Key": "crashed"}
         assert_problem(client.post("/payments", json=PAYMENT, headers=headers), 409)
@@ -764,17 +802,18 @@ def test_expired_phased_claim_is_taken_over(payments_db: Engine) -> None:
 
 
 def test_wire_level_bad_headers_are_4xx(payments_db: Engine) -> None:
-    with serving(create_app(payments_db)) as base:
+    with serving(create_app(payments_db, auth=AUTH)) as base:
         body = PAYMENT_BYTES
         for key in (b"a\x00b", b"a\rb", "cl\u00e9".encode("latin-1"), b"k" * 16_384,
                     b"k" * 102_400):
             status = raw_request(base, b"POST /payments HTTP/1.1\r\nHost: x\r\n"
+                                 b"Authorization: Bearer test-token\r\n"
                                  b"Content-Type: application/json\r\n"
                                  b"Idempotency-Key: " + key + b"\r\n"
                                  b"Content-Length: " + str(len(body)).encode() + b"\r\n"
                                  b"Connection: close\r\n\r\n" + body)
             assert status in (400, 431), (key[:20], status)
-        with httpx.Client(base_url=base, timeout=30) as c:
+        with httpx.Client(base_url=base, timeout=30, headers=AS_CLIENT) as c:
             big = c.post("/payments", content=b"[" + b"1," * 5_000_000 + b"1]",
                          headers={"Idempotency-Key": "k", "Content-Type": "application/json"})
             assert_problem(big, 413)
@@ -922,8 +961,8 @@ def test_serve_exits_cleanly_on_sigterm(payments_db: Engine, db_url: str) -> Non
         assert base, "".join(lines)
         health = httpx.get(f"{base}/healthz", timeout=30)
         assert health.json() == {"status": "ok"}, health.text
-        resp = httpx.post(f"{base}/payments", json=PAYMENT,
-                          headers={"Idempotency-Key": "proc-key"}, timeout=30)
+        resp = httpx.post(f"{base}/payments", json=PAYMENT, timeout=30,  # open demo mode
+                          headers={"Idempotency-Key": "proc-key", **AS_CLIENT})
         assert resp.status_code == 201, resp.text
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)

@@ -39,7 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.responses import JSONResponse, Response
 
-from examples.payments.auth import ClientTokens, on_auth_error
+from examples.payments.auth import BearerTokens, backend_from_env, on_auth_error
 from examples.payments.schema import CURRENCIES, MAX_AMOUNT, MAX_CUSTOMER, ensure_schema, payments
 from outbox import enqueue
 from outbox._canonical import DEFAULT_MAX_BODY
@@ -172,13 +172,21 @@ SourceParam = Annotated[str, Path(
     json_schema_extra={"pattern": IDENTIFIER})]
 
 
+def _identity(request: Request) -> str | None:
+    user = request.scope.get("user")
+    return user.identity if user is not None and user.is_authenticated else None
+
+
 def _payment_json(row: Any) -> dict[str, Any]:
     return {"id": row.id, "amount": row.amount, "currency": row.currency,
             "customer": row.customer, "status": row.status}
 
 
-def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic") -> FastAPI:
+def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic",
+               auth: BearerTokens | None = None) -> FastAPI:
     """The service; without `engine` it connects to `DATABASE_URL` (and disposes on exit).
+
+    `auth` maps bearer tokens to identities (default: `EXAMPLE_API_TOKENS`, see auth.py).
 
     The `payments` schema is created at startup (`ensure_schema`); the outbox schema
     comes from `outbox migrate`.
@@ -199,7 +207,7 @@ def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic
     app.state.engine = db
     install_problem_handlers(app)
     # Who the client is: the idempotency scope (outbox.http.client_scope) reads it.
-    app.add_middleware(AuthenticationMiddleware, backend=ClientTokens(),
+    app.add_middleware(AuthenticationMiddleware, backend=auth or backend_from_env(),
                        on_error=on_auth_error)
     guarded = Idempotency(PaymentIn, mode=idempotency_mode)
 
@@ -209,14 +217,16 @@ def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic
                                               "answer, with `Idempotent-Replayed: true`)"}})
     def create_payment(
         request: Annotated[IdempotentRequest[PaymentIn], Depends(guarded)],
+        http: Request,
     ) -> Response:
         body = request.body
+        owner = _identity(http)
 
         def work(conn: Connection, claim: Claim) -> Response:
             row = conn.execute(
                 insert(payments)
                 .values(amount=body.amount, currency=body.currency, customer=body.customer,
-                        idempotency_key=claim.key)
+                        idempotency_key=claim.key, owner=owner)
                 .returning(*payments.c)).one()
             enqueue(conn, "psp.charge", {"payment_id": row.id, "amount": row.amount,
                                          "currency": row.currency},
@@ -231,10 +241,17 @@ def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic
     @app.get("/payments/{payment_id}", response_model=Payment,
              responses={404: problem_openapi("No such payment"),
                         422: problem_openapi("The id is not an integer in 1..2^63-1")})
-    def get_payment(payment_id: Annotated[int, Path(ge=1, le=MAX_BIGINT)]) -> dict[str, Any]:
+    def get_payment(payment_id: Annotated[int, Path(ge=1, le=MAX_BIGINT)],
+                    request: Request) -> dict[str, Any]:
+        owner = _identity(request)
         with db.connect() as conn:
-            row = conn.execute(select(payments).where(payments.c.id == payment_id)).first()
-        if row is None:
+            row = conn.execute(select(payments).where(
+                payments.c.id == payment_id, payments.c.owner == owner)).first()
+        if row is None:  # another client's payment is indistinguishable from none
+            raise Problem(401 if owner is None else 404,
+                          "authenticate first" if owner is None
+                          else f"payment {payment_id} does not exist",
+                          code="unauthenticated" if owner is None else "not_found")
             raise Problem(404, f"payment {payment_id} does not exist", code="not_found")
         return _payment_json(row)
 

@@ -1,12 +1,19 @@
-"""The example's authentication: who the client is, resolved once per request.
+"""The example's authentication (DESIGN §8): bearer tokens mapped to client identities.
 
-A stand-in for real token verification (OAuth introspection, a JWT's `sub`): a bearer
-token `<client>.<anything>` names its client before the first dot. The token changes
-when the client refreshes it; the client, and so the idempotency scope
-(`outbox.http.client_scope` reads `request.user`), does not.
+`EXAMPLE_API_TOKENS=tok-a=alice,tok-b=alice,tok-c=bob` names the tokens and the
+identity each stands for: two tokens of one identity share its idempotency scope (as
+after a token refresh), so a retry with the new token gets the replay. Unset, the
+service runs in open demo mode (logged loudly at startup): any bearer token is its
+own identity. No token, or an unknown one, is a 401 problem. `outbox.http.client_scope`
+reads the identity from `request.user`; the token itself is never stored.
 """
 
 from __future__ import annotations
+
+import hmac
+import logging
+import os
+from collections.abc import Mapping
 
 from starlette.authentication import (
     AuthCredentials,
@@ -18,25 +25,63 @@ from starlette.authentication import (
 from starlette.requests import HTTPConnection
 from starlette.responses import Response
 
+from outbox.errors import ConfigurationError
 from outbox.http import problem_response
 
-MAX_CLIENT = 200
+log = logging.getLogger("payments.auth")
+MAX_TOKEN = 512
 
 
-class ClientTokens(AuthenticationBackend):
-    """`Authorization: Bearer <client>[.<secret>]` -> the user `<client>`; none: anonymous."""
+def parse_tokens(spec: str | None) -> dict[str, str] | None:
+    """`tok-a=alice,tok-b=alice` -> {token: identity}; None (open mode) when unset."""
+    if spec is None or not spec.strip():
+        return None
+    tokens: dict[str, str] = {}
+    for item in spec.split(","):
+        token, sep, identity = item.strip().partition("=")
+        if not sep or not token.strip() or not identity.strip():
+            raise ConfigurationError(f"EXAMPLE_API_TOKENS: {item!r} is not token=identity")
+        tokens[token.strip()] = identity.strip()
+    return tokens
+
+
+class BearerTokens(AuthenticationBackend):
+    """`Authorization: Bearer <token>` -> the identity the token stands for."""
+
+    def __init__(self, tokens: Mapping[str, str] | None) -> None:
+        self.tokens = dict(tokens) if tokens is not None else None
+        if self.tokens is None:
+            log.warning("EXAMPLE_API_TOKENS is unset: OPEN DEMO MODE, any bearer token is "
+                        "accepted as its own identity. Never run this in production.")
 
     async def authenticate(self, conn: HTTPConnection
                            ) -> tuple[AuthCredentials, BaseUser] | None:
         values = conn.headers.getlist("authorization")
         if not values:
-            return None
+            return None  # the routes that need a client answer 401
         scheme, _, token = values[0].partition(" ")
-        client = token.strip().split(".", 1)[0]
-        if len(values) > 1 or scheme.lower() != "bearer" or not client \
-                or len(client) > MAX_CLIENT or not all(0x21 <= ord(c) <= 0x7E for c in client):
+        token = token.strip()
+        if len(values) > 1 or scheme.lower() != "bearer" or not token \
+                or len(token) > MAX_TOKEN or not all(0x21 <= ord(c) <= 0x7E for c in token):
             raise AuthenticationError("send one 'Authorization: Bearer <token>' header")
-        return AuthCredentials(["authenticated"]), SimpleUser(client)
+        if self.tokens is None:
+            return AuthCredentials(["authenticated"]), SimpleUser(token)
+        identity = self._lookup(token)
+        if identity is None:
+            raise AuthenticationError("unknown bearer token")
+        return AuthCredentials(["authenticated"]), SimpleUser(identity)
+
+    def _lookup(self, token: str) -> str | None:
+        """Compare against every token in constant time (no early exit on a match)."""
+        found = None
+        for known, identity in self.tokens.items() if self.tokens else ():
+            if hmac.compare_digest(known.encode(), token.encode()):
+                found = identity
+        return found
+
+
+def backend_from_env() -> BearerTokens:
+    return BearerTokens(parse_tokens(os.environ.get("EXAMPLE_API_TOKENS")))
 
 
 def on_auth_error(conn: HTTPConnection, exc: Exception) -> Response:

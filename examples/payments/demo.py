@@ -331,6 +331,7 @@ class Storm:
         self.tally = Tally()
         self.http = httpx.Client(
             base_url=api, trust_env=False, timeout=30.0,
+            headers={"Authorization": "Bearer demo-client"},  # open demo mode: any token
             limits=httpx.Limits(max_connections=100, max_keepalive_connections=50))
         self.pool = ThreadPoolExecutor(max_workers=48, thread_name_prefix="demo-client")
         self.futures: list[Future[None]] = []

@@ -35,6 +35,7 @@ payments = Table(
     Column("customer", Text, nullable=False),
     Column("status", Text, nullable=False, server_default=text("'pending'")),
     Column("idempotency_key", Text),
+    Column("owner", Text),  # the client identity that created it; only it may read it
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     CheckConstraint(f"amount > 0 AND amount <= {MAX_AMOUNT}", name="payments_amount_check"),
     CheckConstraint("currency ~ '^[A-Z]{3}$'", name="payments_currency_check"),
@@ -52,3 +53,5 @@ def ensure_schema(engine: Engine) -> None:
         conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _DDL_LOCK})
         conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
         metadata.create_all(conn, checkfirst=True)
+        # Tables created before payments had owners (an upgraded demo database).
+        conn.execute(text(f"ALTER TABLE {SCHEMA}.payments ADD COLUMN IF NOT EXISTS owner text"))
