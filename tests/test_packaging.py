@@ -59,9 +59,12 @@ def test_wheel_ships_migrations_and_migrates_outside_the_checkout(
              "import outbox; print(outbox.__file__)"],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
         assert probe.stdout.startswith(str(target)), probe.stdout + probe.stderr
+        shipped = sorted(p.name for p in (target / "outbox" / "_migrations" / "versions")
+                         .glob("0*.py"))
+        head = shipped[-1].split("_", 1)[0]  # 0002_key_generation.py -> 0002
         with create_engine(url, poolclass=NullPool).connect() as conn:
             assert conn.execute(text(
-                "SELECT version_num FROM outbox.alembic_version")).scalar_one() == "0001"
+                "SELECT version_num FROM outbox.alembic_version")).scalar_one() == head
     finally:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
