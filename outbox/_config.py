@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, make_url
+from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.engine import URL
 
+from outbox._connections import DEFAULT_CALL_TIMEOUT, KEEPALIVE_ARGS, BoundedConnection
 from outbox.errors import ConfigurationError
 
 NOTIFY_CHANNEL = "outbox_due"
@@ -40,13 +41,39 @@ def database_url(*, embedded: bool = True) -> str:
 
 
 def make_engine(url: str | None = None, *, application_name: str = "outbox",
-                **kwargs: Any) -> Engine:
-    """A psycopg 3 engine whose sessions say who they are in `pg_stat_activity`."""
+                call_timeout: float | None = DEFAULT_CALL_TIMEOUT, **kwargs: Any) -> Engine:
+    """A psycopg 3 engine whose sessions say who they are in `pg_stat_activity`.
+
+    No call on it can hang on a silent peer (outbox/_connections.py): TCP keepalives
+    and `tcp_user_timeout`, and every wait for the server bounded by `call_timeout`
+    seconds (None: unbounded), after which the connection is dropped from the pool and
+    the call fails with an OperationalError. Keep it above your longest statement.
+    """
     target = make_url(normalize_url(url or database_url()))
     connect_args = dict(kwargs.pop("connect_args", {}))
     connect_args.setdefault("application_name", application_name)
     # A server that accepts the TCP connection but never answers must not hang a
     # request or a worker's claim on the kernel's TCP timeouts.
     connect_args.setdefault("connect_timeout", 10)
+    for name, value in KEEPALIVE_ARGS.items():
+        connect_args.setdefault(name, value)
+    # The pre-ping is itself a bounded call: a pooled connection that went silent while
+    # it was idle is found out at checkout, within `call_timeout`.
     kwargs.setdefault("pool_pre_ping", True)
-    return create_engine(target, connect_args=connect_args, **kwargs)
+    engine = create_engine(target, connect_args=connect_args, **kwargs)
+    bound_calls(engine, call_timeout)
+    return engine
+
+
+def bound_calls(engine: Engine, call_timeout: float | None = DEFAULT_CALL_TIMEOUT) -> None:
+    """Make `engine` open `BoundedConnection`s: every wait ends within `call_timeout`.
+
+    For an engine you built yourself (psycopg 3 driver only).
+    """
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]
+                 ) -> BoundedConnection:
+        conn = BoundedConnection.connect(*cargs, **cparams)
+        conn.call_timeout = call_timeout
+        return conn

@@ -17,6 +17,11 @@ COMMIT is found in simple-query `Q` messages and in extended-protocol `Parse`
 messages (cut at the batch's `Sync`). `times=n` reverts to `pass` after n cuts;
 `skip=n` lets the first n COMMITs through. SSL and GSS encryption requests are
 refused by the proxy itself ('N'), so clients with `sslmode=prefer` stay readable.
+
+`silence_open()` (issue 14) makes every connection open at that moment go *silent*:
+bytes from either side are read (so the kernel keeps acknowledging them, as a wedged
+middlebox does) and dropped, no FIN, no RST; connections opened later work. It
+returns how many it silenced.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class _Conn:
     client: asyncio.StreamWriter
     server: asyncio.StreamWriter | None = None
     cut: bool = False
+    silent: bool = False
     swallowed: bytearray = field(default_factory=bytearray)
 
 
@@ -77,6 +83,7 @@ class TcpProxy:
         self.remaining: int | None = None  # cuts left before reverting to `pass`
         self.skip = 0
         self.cuts = 0
+        self.silenced = 0
         self.connections = 0
         self.commits_seen: list[str] = []  # "Q:COMMIT" or "P:COMMIT", in order
         self.dropped: list[bytes] = []  # per cut: what the server said, unseen
@@ -109,6 +116,14 @@ class TcpProxy:
             self._call(close())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+
+    def silence_open(self) -> int:
+        async def silence() -> int:
+            for conn in self._conns:
+                conn.silent = True
+            self.silenced += len(self._conns)
+            return len(self._conns)
+        return int(self._call(silence()))
 
     def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
@@ -167,6 +182,8 @@ class TcpProxy:
 
     async def _to_client(self, sreader: asyncio.StreamReader, conn: _Conn, mode: str) -> None:
         while data := await sreader.read(65536):
+            if conn.silent:
+                continue
             if mode == "drop_reply" and not conn.cut:
                 conn.cut = True
                 self._fired()
@@ -183,6 +200,8 @@ class TcpProxy:
         assert conn.server is not None
         if not self.pg:
             while data := await reader.read(65536):
+                if conn.silent:
+                    continue
                 conn.server.write(data)
                 await conn.server.drain()
             return
@@ -199,6 +218,8 @@ class TcpProxy:
             kind, length = head[:1], struct.unpack("!i", head[1:])[0]
             message = head + await reader.readexactly(length - 4)
             body = message[5:]
+            if conn.silent:
+                continue
             trigger = False
             if kind == b"Q" and _is_commit(body):
                 self.commits_seen.append(f"Q:{body[:-1].decode(errors='replace')}")
