@@ -153,10 +153,27 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
+    from outbox._inbox import (
+        check_retention,
+        purge_entity_versions,
+        purge_inbox,
+        purge_inbox_conflicts,
+    )
     from outbox.sql import effects as fx
     from outbox.sql import keys as kx
 
     older = parse_duration(args.older_than)
+    horizons: dict[str, float] = {}
+    for item in args.horizon or []:
+        source, _, value = item.partition("=")
+        if not source or not value:
+            raise UsageError(f"--horizon takes SOURCE=DURATION, not {item!r}")
+        horizons[source] = parse_duration(value)
+    windows = {what: parse_duration(value) for what, value in (
+        ("inbox", args.inbox_older_than), ("inbox_conflicts", args.conflicts_older_than),
+        ("entity_versions", args.versions_older_than)) if value}
+    for what, window in windows.items():  # refuse a short window before deleting anything
+        check_retention(what, window, args.batch, horizons)
     engine = _engine("purge")
     totals = {"effects": 0, "idempotency_keys": 0}
     while True:
@@ -173,17 +190,14 @@ def cmd_purge(args: argparse.Namespace) -> int:
         totals["idempotency_keys"] += n
         if n < args.batch:
             break
-    if args.inbox_older_than:
-        from outbox._inbox import purge_inbox
-
-        horizons: dict[str, float] = {}
-        for item in args.horizon or []:
-            source, _, value = item.partition("=")
-            if not source or not value:
-                raise UsageError(f"--horizon takes SOURCE=DURATION, not {item!r}")
-            horizons[source] = parse_duration(value)
-        totals["inbox"] = purge_inbox(engine, parse_duration(args.inbox_older_than),
-                                      horizons, batch=args.batch)
+    if "inbox" in windows:
+        totals["inbox"] = purge_inbox(engine, windows["inbox"], horizons, batch=args.batch)
+    if "inbox_conflicts" in windows:
+        totals["inbox_conflicts"] = purge_inbox_conflicts(
+            engine, windows["inbox_conflicts"], horizons, batch=args.batch)
+    if "entity_versions" in windows:
+        totals["entity_versions"] = purge_entity_versions(
+            engine, windows["entity_versions"], horizons, batch=args.batch)
     print(file=sys.stderr)
     print(json.dumps(totals))
     return 0
@@ -282,8 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--batch", type=int, default=1000)
     pu.add_argument("--inbox-older-than", default=None,
                     help="also purge processed inbox events older than this (e.g. 14d)")
+    pu.add_argument("--conflicts-older-than", default=None,
+                    help="also purge conflicting inbox copies received before this (e.g. 30d)")
+    pu.add_argument("--versions-older-than", default=None,
+                    help="also purge entity versions that have not moved for this long "
+                    "(e.g. 14d; see docs/ingestion.md)")
     pu.add_argument("--horizon", action="append", metavar="SOURCE=DURATION",
-                    help="a source's redelivery horizon; a shorter inbox retention is refused")
+                    help="a source's redelivery horizon; a shorter inbox, conflicts or "
+                    "versions retention is refused")
     pu.set_defaults(fn=cmd_purge)
 
     e = sub.add_parser("example-api", help="run the example payments service")

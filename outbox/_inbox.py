@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from outbox._canonical import DEFAULT_MAX_BODY, _check_strings, json_fingerprint, parse_json_body
 from outbox._idempotency import Clock, Connectable, database_clock
 from outbox._schema import InboxOutcome
-from outbox._telemetry import inbox_events, tracer
+from outbox._telemetry import inbox_events, register_source_label, source_label, tracer
 from outbox.errors import (
     ConfigurationError,
     InvalidEvent,
@@ -36,8 +36,17 @@ from outbox.errors import (
 from outbox.sql import inbox as sql
 
 MAX_ID_LENGTH = 255
-MAX_VERSION = 2**63 - 1  # bigint: a larger version would be a 500 at INSERT time
+# The default bound: the largest integer every JSON implementation (JavaScript's
+# Number.MAX_SAFE_INTEGER, I-JSON) keeps exact, and below which the fingerprint's
+# canonical form folds `1.0` into `1`. A version above it is a 400: a forged 2^63-1
+# would otherwise make every later event of its entity stale for good.
+MAX_VERSION = 2**53 - 1
+BIGINT_MAX = 2**63 - 1  # the column's limit: the most `max_version=` may allow
 MAX_BATCH = 10_000
+# Each stored event keeps the payloads of its first conflicts only: a sender (or an
+# attacker) repeating 1 MiB conflicting copies must not grow the table without bound.
+# `inbox.conflicts` and the `outbox.inbox.events` counter still count every copy.
+MAX_CONFLICT_COPIES = 10
 DEFAULT_PURGE_BATCH = 500
 _INSERT_ATTEMPTS = 5
 
@@ -98,21 +107,28 @@ def _check_identifier(name: str, value: object) -> str:
     return value
 
 
-def _check_version(value: object) -> int | None:
+def _check_bound(max_version: int) -> int:
+    if isinstance(max_version, bool) or not isinstance(max_version, int) \
+            or not 0 <= max_version <= BIGINT_MAX:
+        raise ConfigurationError(f"max_version must be an integer in 0..{BIGINT_MAX}")
+    return max_version
+
+
+def _check_version(value: object, max_version: int = MAX_VERSION) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidEvent("version must be an integer")
-    if not 0 <= value <= MAX_VERSION:
-        raise InvalidEvent(f"version must be between 0 and {MAX_VERSION}")
+    if not 0 <= value <= max_version:
+        raise InvalidEvent(f"version must be between 0 and {max_version}")
     return value
 
 
-def _prepare(event: IncomingEvent) -> sql.NewEvent:
+def _prepare(event: IncomingEvent, max_version: int = MAX_VERSION) -> sql.NewEvent:
     """Validate before any SQL: a bad event must be a 400, never a 500 mid-transaction."""
     source = _check_identifier("source", event.source)
     event_id = _check_identifier("event id", event.event_id)
-    version = _check_version(event.version)
+    version = _check_version(event.version, _check_bound(max_version))
     entity = None if event.entity is None else _check_identifier("entity", event.entity)
     try:
         _check_strings(event.payload)
@@ -125,14 +141,14 @@ def _prepare(event: IncomingEvent) -> sql.NewEvent:
     return sql.NewEvent(source, event_id, fp, version, entity, payload)
 
 
-def _event_from_object(source: str, body: object) -> IncomingEvent:
+def _event_from_object(source: str, body: object, max_version: int) -> IncomingEvent:
     if not isinstance(body, dict):
         raise InvalidEvent("an event is a JSON object")
     event_id = _check_identifier("id", body.get("id"))
     kind = body.get("type")
     if not isinstance(kind, str) or not 1 <= len(kind) <= MAX_ID_LENGTH:
         raise InvalidEvent(f"type is required: a string of 1-{MAX_ID_LENGTH} characters")
-    version = _check_version(body.get("version"))
+    version = _check_version(body.get("version"), max_version)
     entity = body.get("entity")
     if entity is not None:
         _check_identifier("entity", entity)
@@ -154,26 +170,31 @@ def _parse_body(source: str, raw_body: bytes, max_bytes: int) -> Any:
         raise InvalidEvent(str(exc)) from None
 
 
-def parse_event(source: str, raw_body: bytes, *, max_bytes: int = DEFAULT_MAX_BODY
-                ) -> IncomingEvent:
+def parse_event(source: str, raw_body: bytes, *, max_bytes: int = DEFAULT_MAX_BODY,
+                max_version: int = MAX_VERSION) -> IncomingEvent:
     """Validate a webhook body `{"id", "type", "version"?, "entity"?, "data"}`.
 
     Raises `InvalidEvent` (400) for every refusal except a body over `max_bytes`
     (`RequestBodyTooLarge`, 413); nothing is stored for a refused body. The payload
-    is the body without its `id`. Unknown top-level members are kept.
+    is the body without its `id`. Unknown top-level members are kept. A version above
+    `max_version` (default 2^53-1, at most 2^63-1) is refused. Verify the signature
+    of `raw_body` first (outbox.webhooks): this only checks its shape.
     """
-    return _event_from_object(source, _parse_body(source, raw_body, max_bytes))
+    bound = _check_bound(max_version)
+    return _event_from_object(source, _parse_body(source, raw_body, max_bytes), bound)
 
 
 def parse_event_batch(source: str, raw_body: bytes, *, max_bytes: int = DEFAULT_MAX_BODY,
-                      max_events: int = 1_000) -> list[IncomingEvent]:
+                      max_events: int = 1_000, max_version: int = MAX_VERSION
+                      ) -> list[IncomingEvent]:
     """Validate a JSON array of events; repeated ids are allowed (`ingest_many` folds them)."""
+    bound = _check_bound(max_version)
     body = _parse_body(source, raw_body, max_bytes)
     if not isinstance(body, list) or not body:
         raise InvalidEvent("a batch is a non-empty JSON array of events")
     if len(body) > max_events:
         raise InvalidEvent(f"a batch holds at most {max_events} events")
-    return [_event_from_object(source, item) for item in body]
+    return [_event_from_object(source, item, bound) for item in body]
 
 
 # -- ingestion ---------------------------------------------------------------------
@@ -258,7 +279,7 @@ def _ingest(conn: Connection, prepared: Sequence[sql.NewEvent], *, processed: bo
     if len(counted) > 1:
         sql.lock_events(conn, sorted(counted))
     if key_conflicts:
-        sql.record_conflicts(conn, key_conflicts, now=now)
+        sql.record_conflicts(conn, key_conflicts, MAX_CONFLICT_COPIES, now=now)
     if count_duplicates and dup_counts:
         sql.count_duplicates(conn, dup_counts)
 
@@ -279,7 +300,7 @@ def _ingest(conn: Connection, prepared: Sequence[sql.NewEvent], *, processed: bo
             stored_fingerprint=stored[key],
             applied_version=current.version if current is not None else None,
         ))
-        inbox_events.add(1, {"source": p.source, "outcome": outcome.value})
+        inbox_events.add(1, {"source": source_label(p.source), "outcome": outcome.value})
     return results
 
 
@@ -332,14 +353,14 @@ def _decide_versions(conn: Connection, prepared: Sequence[sql.NewEvent],
     if version_conflicts:
         # Rows this transaction inserted: no other transaction can hold their locks,
         # so counting them after the entity locks adds no lock-order edge.
-        sql.record_conflicts(conn, version_conflicts, now=now)
+        sql.record_conflicts(conn, version_conflicts, MAX_CONFLICT_COPIES, now=now)
     return in_force
 
 
 def ingest(target: Connectable, source: str, event_id: str, payload: Any,
            version: int | None = None, entity: str | None = None, *,
            processed: bool = True, count_duplicates: bool = False,
-           clock: Clock = database_clock) -> IngestResult:
+           max_version: int = MAX_VERSION, clock: Clock = database_clock) -> IngestResult:
     """Record one event in the caller's transaction; never commits.
 
     Outcomes: `inserted` (new: process it now, in this transaction), `duplicate` (same
@@ -348,9 +369,10 @@ def ingest(target: Connectable, source: str, event_id: str, payload: Any,
     (the entity already has this version or a newer one). A twin delivered
     concurrently waits until this transaction ends. `processed=False` leaves the row
     for `mark_processed` (retention purges processed rows only). `count_duplicates`
-    keeps an exact in-row tally at the price of a row lock held until commit.
+    keeps an exact in-row tally at the price of a row lock held until commit. A version
+    above `max_version` (default 2^53-1) is refused with `InvalidEvent`.
     """
-    event = _prepare(IncomingEvent(source, event_id, payload, version, entity))
+    event = _prepare(IncomingEvent(source, event_id, payload, version, entity), max_version)
     with tracer.start_as_current_span("outbox.ingest") as span:
         result = _ingest(_conn(target), [event], processed=processed,
                          count_duplicates=count_duplicates, clock=clock)[0]
@@ -361,6 +383,7 @@ def ingest(target: Connectable, source: str, event_id: str, payload: Any,
 
 def ingest_many(target: Connectable, events: Iterable[IncomingEvent], *,
                 processed: bool = True, count_duplicates: bool = False,
+                max_version: int = MAX_VERSION,
                 clock: Clock = database_clock) -> list[IngestResult]:
     """Record a batch in the caller's transaction: one INSERT, outcomes in input order.
 
@@ -372,7 +395,7 @@ def ingest_many(target: Connectable, events: Iterable[IncomingEvent], *,
     batch = list(events)
     if len(batch) > MAX_BATCH:
         raise InvalidEvent(f"a batch holds at most {MAX_BATCH} events")
-    prepared = [_prepare(e) for e in batch]
+    prepared = [_prepare(e, max_version) for e in batch]
     with tracer.start_as_current_span("outbox.ingest_many") as span:
         span.set_attribute("outbox.events", len(batch))
         return _ingest(_conn(target), prepared, processed=processed,
@@ -409,9 +432,10 @@ class Inbox:
         """Register `fn(target, event)` for `source`; `target` is what `process` got.
 
         `redelivery_horizon`: how long the sender may redeliver (Stripe: 3 days);
-        `purge` refuses a shorter retention.
+        `purge` refuses a shorter retention. The source becomes a metric label.
         """
         _check_identifier("source", source)
+        register_source_label(source)
 
         def register(fn: H) -> H:
             if source in self._handlers:
@@ -429,18 +453,22 @@ class Inbox:
 
     def process(self, target: Connectable, source: str, event_id: str, payload: Any,
                 version: int | None = None, entity: str | None = None, *,
-                clock: Clock = database_clock) -> IngestResult:
+                max_version: int = MAX_VERSION, clock: Clock = database_clock
+                ) -> IngestResult:
         """Ingest and, only if the event is new (or newer), run its handler; never commits."""
         return self.process_event(target, IncomingEvent(source, event_id, payload, version,
-                                                        entity), clock=clock)
+                                                        entity),
+                                  max_version=max_version, clock=clock)
 
     def process_event(self, target: Connectable, event: IncomingEvent, *,
+                      max_version: int = MAX_VERSION,
                       clock: Clock = database_clock) -> IngestResult:
         """`process` for an event from `parse_event`."""
         fn = self._handlers.get(event.source)
         if fn is None:
             raise ConfigurationError(f"no inbox handler for source {event.source!r}")
-        prepared = _prepare(event)  # a refused event must not even open the savepoint
+        # A refused event must not even open the savepoint.
+        prepared = _prepare(event, max_version)
         with tracer.start_as_current_span("outbox.inbox.process") as span:
             span.set_attribute("outbox.source", event.source)
             with target.begin_nested():
@@ -464,6 +492,39 @@ def _seconds(value: float | timedelta) -> float:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
+_CONSEQUENCES = {
+    "inbox": "its redeliveries would be processed twice",
+    "inbox_conflicts": "the evidence would go before the copies stop coming",
+    "entity_versions": "an older event could still arrive and be applied",
+}
+
+
+def check_retention(what: str, window: float, batch: int,
+                    source_horizons: Mapping[str, float | timedelta] | None) -> None:
+    """Refuse a `what` ("inbox", "inbox_conflicts", "entity_versions") window shorter
+    than a declared redelivery horizon: `RetentionTooShort`, before any delete."""
+    if window <= 0 or batch < 1:
+        raise ConfigurationError("older_than must be positive and batch at least 1")
+    for source, horizon in sorted((source_horizons or {}).items()):
+        if window < _seconds(horizon):
+            raise RetentionTooShort(
+                f"{what} retention {window:g}s is shorter than the redelivery horizon "
+                f"{_seconds(horizon):g}s of source {source!r}: {_CONSEQUENCES[what]}")
+
+
+def _purge_batches(engine: Engine, step: Callable[[Connection], int], batch: int,
+                   pause: float) -> int:
+    total = 0
+    while True:
+        with engine.begin() as conn:
+            deleted = step(conn)
+        total += deleted
+        if deleted < batch:
+            return total
+        if pause > 0:
+            time.sleep(pause)
+
+
 def purge_inbox(engine: Engine, older_than: float | timedelta,
                 source_horizons: Mapping[str, float | timedelta] | None = None, *,
                 batch: int = DEFAULT_PURGE_BATCH, pause: float = 0.0,
@@ -474,23 +535,57 @@ def purge_inbox(engine: Engine, older_than: float | timedelta,
     ingestion never queues behind the purge. A purged event that is redelivered is
     processed again: retention must exceed every source's redelivery horizon, and a
     shorter one raises `RetentionTooShort` before anything is deleted. Versioned
-    entities stay protected: `entity_versions` is not purged.
+    entities stay protected while their `entity_versions` row is kept
+    (`purge_entity_versions`).
     """
     window = _seconds(older_than)
-    if window <= 0 or batch < 1:
-        raise ConfigurationError("older_than must be positive and batch at least 1")
-    for source, horizon in sorted((source_horizons or {}).items()):
-        if window < _seconds(horizon):
-            raise RetentionTooShort(
-                f"inbox retention {window:g}s is shorter than the redelivery horizon "
-                f"{_seconds(horizon):g}s of source {source!r}: its redeliveries would be "
-                "processed twice")
+    check_retention("inbox", window, batch, source_horizons)
+    return _purge_batches(
+        engine, lambda conn: sql.purge_processed_events(conn, window, batch, now=clock()),
+        batch, pause)
+
+
+def purge_inbox_conflicts(engine: Engine, older_than: float | timedelta,
+                          source_horizons: Mapping[str, float | timedelta] | None = None,
+                          *, batch: int = DEFAULT_PURGE_BATCH, pause: float = 0.0,
+                          clock: Clock = database_clock) -> int:
+    """Delete conflicting copies (`inbox_conflicts`) received more than `older_than` ago.
+
+    They are evidence, never read back by ingestion: deleting one changes no outcome
+    (the stored event and its `conflicts` count stay). The evidence of a copy must
+    outlive the sender's redeliveries of it, so a window shorter than a declared
+    horizon raises `RetentionTooShort` before anything is deleted.
+    """
+    window = _seconds(older_than)
+    check_retention("inbox_conflicts", window, batch, source_horizons)
+    return _purge_batches(
+        engine, lambda conn: sql.purge_conflicts(conn, window, batch, now=clock()),
+        batch, pause)
+
+
+def purge_entity_versions(engine: Engine, older_than: float | timedelta,
+                          source_horizons: Mapping[str, float | timedelta] | None = None,
+                          *, batch: int = DEFAULT_PURGE_BATCH, pause: float = 0.0,
+                          clock: Clock = database_clock) -> int:
+    """Delete the applied version of entities that have not moved for `older_than`.
+
+    A version row is what refuses an older event as `stale`. Every event with a
+    version up to the stored one was created before the stored one arrived
+    (`updated_at`), so once `updated_at` is older than every sender's redelivery
+    horizon none of them can arrive any more, and the row guards nothing: the
+    entity's next event is newer and starts a new row. A window shorter than a
+    declared horizon raises `RetentionTooShort` before anything is deleted. Walks the
+    primary key once, `batch` entities per short transaction, skipping rows an
+    ingestion holds. See docs/ingestion.md, "Retention".
+    """
+    window = _seconds(older_than)
+    check_retention("entity_versions", window, batch, source_horizons)
     total = 0
-    while True:
+    after: Key | None = ("", "")
+    while after is not None:
         with engine.begin() as conn:
-            deleted = sql.purge_processed_events(conn, window, batch, now=clock())
+            deleted, after = sql.purge_versions(conn, window, batch, after, now=clock())
         total += deleted
-        if deleted < batch:
-            return total
-        if pause > 0:
+        if after is not None and pause > 0:
             time.sleep(pause)
+    return total

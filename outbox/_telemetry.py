@@ -6,7 +6,11 @@ library never configures exporters itself (`outbox.telemetry_setup` does, for th
 
 from __future__ import annotations
 
+import threading
+
 from opentelemetry import metrics, trace
+
+from outbox.errors import ConfigurationError
 
 tracer = trace.get_tracer("outbox")
 meter = metrics.get_meter("outbox")
@@ -29,3 +33,24 @@ delivery_lag = meter.create_histogram(
     "outbox.delivery.lag", unit="s", description="Enqueue-to-delivered time")
 inbox_events = meter.create_counter(
     "outbox.inbox.events", description="Ingested events by source and outcome")
+
+# `source` on the inbox metrics comes from the sender (a URL path segment): a name
+# becomes a series only once code registered it, every other name is counted as
+# OTHER_SOURCE, so arbitrary names cannot exhaust the backend's series limit.
+OTHER_SOURCE = "other"
+MAX_SOURCE_LABELS = 1_000
+_source_labels: set[str] = set()
+_source_labels_lock = threading.Lock()
+
+
+def register_source_label(name: str) -> None:
+    """Let `name` be its own `source` label (done by `Inbox.handler`, `WebhookSources`)."""
+    with _source_labels_lock:
+        if name not in _source_labels and len(_source_labels) >= MAX_SOURCE_LABELS:
+            raise ConfigurationError(f"more than {MAX_SOURCE_LABELS} source labels registered")
+        _source_labels.add(name)
+
+
+def source_label(name: str) -> str:
+    """The metric label for `name`: itself if registered, else OTHER_SOURCE."""
+    return name if name in _source_labels else OTHER_SOURCE

@@ -9,7 +9,9 @@
     │   ├── InvalidEvent             400: a bad incoming event (ingestion)
     │   ├── UnsupportedMediaType     415: not JSON, other charset, compressed
     │   ├── InvalidTenant            400: unusable tenant header (HTTP scope)
-    │   └── Unauthenticated          401: no client identity to scope the key by
+    │   ├── Unauthenticated          401: no client identity to scope the key by
+    │   ├── InvalidSignature         401: a webhook's signature is missing, bad or stale
+    │   └── UnknownSource            404: a webhook from a source nobody registered
     ├── IdempotencyConflict          the key cannot be used for this request now
     │   ├── RequestInProgress        409 + Retry-After: a twin holds the key
     │   ├── KeyReused                422: same key, different request
@@ -79,6 +81,24 @@ class Unauthenticated(InvalidInput):
 
     status = 401
     code = "unauthenticated"
+
+
+class InvalidSignature(InvalidInput):
+    """401: the raw body is not signed by a current secret of its source, or too late.
+
+    Raised before the body is parsed or stored (outbox.webhooks). The message names
+    the rule that failed, never an expected signature.
+    """
+
+    status = 401
+    code = "invalid_signature"
+
+
+class UnknownSource(InvalidInput):
+    """404: events are accepted from registered sources only; nothing is stored."""
+
+    status = 404
+    code = "unknown_source"
 
 
 class IdempotencyConflict(OutboxError):

@@ -31,6 +31,7 @@ from outbox import (
     parse_event_batch,
     purge_inbox,
 )
+from outbox._telemetry import register_source_label
 from outbox.errors import (
     ConfigurationError,
     InvalidEvent,
@@ -116,6 +117,8 @@ class Recorder:
 @pytest.fixture
 def metered(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     rec = Recorder()
+    for source in ("gh", "psp", "s", "stripe"):  # unregistered names count as "other"
+        register_source_label(source)
     monkeypatch.setattr(inbox_module, "inbox_events", rec)
     return rec
 
@@ -294,7 +297,9 @@ def test_f34_concurrent_different_payloads(engine: Engine) -> None:
     assert stored == {"variant": winner[0] % 4}
     n_conflicts = sum(o is CONFLICT for o in outcomes.values())
     assert n_conflicts == 15
-    assert scalar(engine, "SELECT count(*) FROM outbox.inbox_conflicts") == n_conflicts
+    # Every copy is counted; only the first MAX_CONFLICT_COPIES keep their payload (issue 16).
+    assert scalar(engine, "SELECT count(*) FROM outbox.inbox_conflicts") \
+        == inbox_module.MAX_CONFLICT_COPIES < n_conflicts
     assert scalar(engine, "SELECT conflicts FROM outbox.inbox") == n_conflicts
 
 
@@ -641,7 +646,7 @@ def test_parse_event_accepts_the_documented_body() -> None:
                           "data": {"a": 1}, "livemode": False}
     assert parse_event("s", body(version=None)).version is None
     assert parse_event("s", body(id="x" * 255)).event_id == "x" * 255  # B30 boundary
-    assert parse_event("s", body(version=2**63 - 1)).version == 2**63 - 1
+    assert parse_event("s", body(version=2**53 - 1)).version == 2**53 - 1
 
 
 @pytest.mark.parametrize(("source", "raw"), [
@@ -661,6 +666,7 @@ def test_parse_event_accepts_the_documented_body() -> None:
     ("s", body(version=2.0)),
     ("s", body(version="3")),
     ("s", body(version=True)),
+    ("s", body(version=2**53)),                     # above the default bound (issue 16)
     ("s", body(version=2**63)),
     ("s", body(version=10**30)),
     ("s", body(type=...)),
@@ -711,15 +717,24 @@ def test_b31_same_event_id_from_two_sources_is_two_events(engine: Engine) -> Non
 
 
 def test_b32_largest_version_is_stored_without_error(engine: Engine) -> None:
-    ev = parse_event("s", body(version=2**63 - 1, entity="e"))
+    ev = parse_event("s", body(version=2**53 - 1, entity="e"))
     with engine.begin() as conn:
         r = ingest(conn, ev.source, ev.event_id, ev.payload, ev.version, ev.entity)
+    assert r.outcome is INSERTED and r.applied_version == 2**53 - 1
+    # A sender whose versions need more (nanosecond clocks) raises the bound, up to bigint.
+    big = parse_event("s", body(id="evt_2", version=2**63 - 1, entity="e2"),
+                      max_version=2**63 - 1)
+    with engine.begin() as conn:
+        r = ingest(conn, big.source, big.event_id, big.payload, big.version, big.entity,
+                   max_version=2**63 - 1)
     assert r.outcome is INSERTED and r.applied_version == 2**63 - 1
+    with pytest.raises(ConfigurationError):
+        parse_event("s", body(), max_version=2**63)
 
 
 def test_ingest_validates_before_any_sql(engine: Engine) -> None:
     bad: list[dict[str, Any]] = [
-        {"event_id": ""}, {"event_id": "x" * 256}, {"version": -1}, {"version": 2**63},
+        {"event_id": ""}, {"event_id": "x" * 256}, {"version": -1}, {"version": 2**53},
         {"entity": ""}, {"payload": {"x": float("nan")}}, {"payload": {"x": "\x00"}},
         {"payload": {"x": object()}}, {"source": "é"},
     ]

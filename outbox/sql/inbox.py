@@ -204,30 +204,37 @@ def count_duplicates(conn: Connection, counts: dict[Key, int]) -> None:
     conn.execute(_COUNT_DUPLICATES, params)
 
 
+# The counter is updated first: its row lock serialises the recorders of one event, and
+# RETURNING gives the count as it was before this statement (re-read after any wait), so
+# only the first :max_copies conflicts of an event keep their payload, however many
+# copies arrive and however concurrently. A row purged meanwhile counts from zero.
 _RECORD_CONFLICTS = text(
     f"""
-    WITH c AS (
-        INSERT INTO outbox.inbox_conflicts (source, event_id, fingerprint, payload,
-                                            received_at)
-        SELECT s, e, f, CAST(p AS jsonb), {_NOW}
+    WITH t AS (
+        SELECT s, e, f, p, n, row_number() OVER (PARTITION BY s, e ORDER BY n) AS k
           FROM unnest(CAST(:sources AS text[]), CAST(:event_ids AS text[]),
                       CAST(:fingerprints AS text[]), CAST(:payloads AS text[]))
                WITH ORDINALITY AS t(s, e, f, p, n)
-         ORDER BY n
-        RETURNING source, event_id
     ), per_key AS (
-        SELECT source, event_id, count(*) AS n FROM c GROUP BY source, event_id
+        SELECT s, e, count(*) AS c FROM t GROUP BY s, e
+    ), counted AS (
+        UPDATE outbox.inbox i SET conflicts = i.conflicts + per_key.c
+          FROM per_key
+         WHERE i.source = per_key.s AND i.event_id = per_key.e
+        RETURNING i.source, i.event_id, i.conflicts - per_key.c AS before
     )
-    UPDATE outbox.inbox i SET conflicts = i.conflicts + per_key.n
-      FROM per_key
-     WHERE i.source = per_key.source AND i.event_id = per_key.event_id
+    INSERT INTO outbox.inbox_conflicts (source, event_id, fingerprint, payload, received_at)
+    SELECT t.s, t.e, t.f, CAST(t.p AS jsonb), {_NOW}
+      FROM t LEFT JOIN counted ON counted.source = t.s AND counted.event_id = t.e
+     WHERE coalesce(counted.before, 0) + t.k <= :max_copies
+     ORDER BY t.n
     """
 )
 
 
-def record_conflicts(conn: Connection, conflicts: Sequence[NewEvent],
+def record_conflicts(conn: Connection, conflicts: Sequence[NewEvent], max_copies: int,
                      now: datetime | None = None) -> None:
-    """Keep each refused payload as evidence and count it on the stored event's row.
+    """Count each refused copy on the stored event's row; keep the first `max_copies`.
 
     The counting UPDATE's lock order follows its plan: lock several rows with
     `lock_events` first (rows this transaction inserted need no lock).
@@ -238,6 +245,7 @@ def record_conflicts(conn: Connection, conflicts: Sequence[NewEvent],
         "event_ids": [e.event_id for e in rows],
         "fingerprints": [e.fingerprint for e in rows],
         "payloads": [e.payload for e in rows],
+        "max_copies": max_copies,
         "now": now,
     }
     conn.execute(_RECORD_CONFLICTS, params)
@@ -336,3 +344,68 @@ def purge_processed_events(conn: Connection, older_than_seconds: float, batch: i
     """Delete up to `batch` processed events received before the window; oldest first."""
     params = {"older_than": older_than_seconds, "batch": batch, "now": now}
     return conn.execute(_PURGE_PROCESSED, params).rowcount
+
+
+# Conflict copies are evidence, not state: nothing reads them back. Walking the primary
+# key (ids grow with time) finds the old rows first without an index on received_at.
+_PURGE_CONFLICTS = text(
+    f"""
+    DELETE FROM outbox.inbox_conflicts
+     WHERE id = ANY(ARRAY(
+           SELECT id FROM outbox.inbox_conflicts
+            WHERE received_at < {_NOW} - make_interval(secs => :older_than)
+            ORDER BY id
+            LIMIT :batch
+              FOR UPDATE SKIP LOCKED))
+    """
+)
+
+
+def purge_conflicts(conn: Connection, older_than_seconds: float, batch: int,
+                    now: datetime | None = None) -> int:
+    """Delete up to `batch` conflict copies received before the window; oldest first."""
+    params = {"older_than": older_than_seconds, "batch": batch, "now": now}
+    return conn.execute(_PURGE_CONFLICTS, params).rowcount
+
+
+# One page of the primary key per call (keyset: `> after`), so the whole purge reads the
+# table once, whatever its size, without an index on updated_at. Rows an ingestion holds
+# (its upsert locks the row) are skipped; a row moved since the page was read is
+# re-checked under its lock (READ COMMITTED) and kept.
+_PURGE_VERSIONS = text(
+    f"""
+    WITH page AS (
+        SELECT source, entity FROM outbox.entity_versions
+         WHERE (source, entity) > (CAST(:after_source AS text), CAST(:after_entity AS text))
+         ORDER BY source, entity
+         LIMIT :batch
+    ), gone AS (
+        DELETE FROM outbox.entity_versions
+         WHERE ctid = ANY(ARRAY(
+               SELECT ev.ctid FROM outbox.entity_versions ev
+                 JOIN page ON ev.source = page.source AND ev.entity = page.entity
+                WHERE ev.updated_at < {_NOW} - make_interval(secs => :older_than)
+                  FOR UPDATE OF ev SKIP LOCKED))
+        RETURNING 1
+    ), last AS (
+        SELECT source, entity FROM page ORDER BY source DESC, entity DESC LIMIT 1
+    )
+    SELECT (SELECT count(*) FROM gone) AS deleted, (SELECT count(*) FROM page) AS scanned,
+           last.source, last.entity
+      FROM (SELECT 1) AS one LEFT JOIN last ON true
+    """
+)
+
+
+def purge_versions(conn: Connection, older_than_seconds: float, batch: int,
+                   after: Key = ("", ""), now: datetime | None = None
+                   ) -> tuple[int, Key | None]:
+    """Delete the versions not moved within the window among the next `batch` entities.
+
+    Returns (deleted, the last key read, or None once the table is exhausted).
+    """
+    params = {"older_than": older_than_seconds, "batch": batch, "after_source": after[0],
+              "after_entity": after[1], "now": now}
+    row = conn.execute(_PURGE_VERSIONS, params).one()
+    last = None if row.scanned < batch else (str(row.source), str(row.entity))
+    return int(row.deleted), last
