@@ -4,12 +4,16 @@
   `psp.charge` and one `email.receipt` effect, all in the same transaction as the
   key's stored response (`outbox.http.Idempotency`, atomic mode). 201 + Location.
 * `GET /payments/{id}`: 200, or a 404/422 problem (never a 500 for any id).
-* `POST /webhooks/{source}`: idempotent ingestion keyed by (source, id). 200 with
+* `POST /webhooks/{source}`: idempotent ingestion keyed by (source, id), signed the
+  Standard Webhooks way with the source's secret from `EXAMPLE_WEBHOOK_SECRETS`
+  (examples/payments/webhooks.py: unknown source 404, missing/bad/stale signature 401,
+  nothing stored; unset, unsigned events are accepted). 200 with
   `{"outcome": "inserted"|"duplicate"|"stale"|"conflict"}`. A conflict (same id,
   other payload) is also a 200: it is recorded in `outbox.inbox_conflicts` and
   counted (`outbox.inbox.events{outcome=conflict}`), never applied; a non-2xx would
   only make the sender redeliver the same bad copy for days (Stripe: 3) and hide
-  real failures in the retry noise. `POST /webhooks/{source}/batch` takes an array.
+  real failures in the retry noise. `POST /webhooks/{source}/batch` takes an array
+  (one signature over the whole array).
 * Clients are identified by `Authorization: Bearer <client>.<secret>`
   (examples/payments/auth.py); keys are scoped by client, so a retry with a
   refreshed token replays, and another client's same key is its own request.
@@ -41,21 +45,28 @@ from starlette.responses import JSONResponse, Response
 
 from examples.payments.auth import BearerTokens, backend_from_env, on_auth_error
 from examples.payments.schema import CURRENCIES, MAX_AMOUNT, MAX_CUSTOMER, ensure_schema, payments
+from examples.payments.webhooks import sources_from_env, verified_body
 from outbox import enqueue
 from outbox._canonical import DEFAULT_MAX_BODY
 from outbox._config import make_engine
 from outbox._idempotency import Claim, Mode
-from outbox._inbox import IncomingEvent, ingest, ingest_many, parse_event, parse_event_batch
+from outbox._inbox import (
+    MAX_VERSION,
+    IncomingEvent,
+    ingest,
+    ingest_many,
+    parse_event,
+    parse_event_batch,
+)
 from outbox.http import (
     Idempotency,
     IdempotentRequest,
     Problem,
-    check_json_media_type,
     inline_refs,
     install_problem_handlers,
     problem_openapi,
-    read_body,
 )
+from outbox.webhooks import WebhookSources
 
 MAX_BIGINT = 2**63 - 1
 Currency = Literal["EUR", "USD", "GBP", "CHF", "JPY"]
@@ -95,7 +106,7 @@ class WebhookEvent(BaseModel):
 
     id: Annotated[str, Field(pattern=IDENTIFIER)]
     type: Annotated[str, Field(min_length=1, max_length=255)]
-    version: Annotated[int | None, Field(ge=0, le=MAX_BIGINT)] = None
+    version: Annotated[int | None, Field(ge=0, le=MAX_VERSION)] = None
     entity: Annotated[str | None, Field(pattern=IDENTIFIER)] = None
     data: dict[str, Any]
 
@@ -104,10 +115,21 @@ def _body_schema(model: type[BaseModel], *, array: bool = False) -> dict[str, An
     schema = inline_refs(model.model_json_schema())
     if array:
         schema = {"type": "array", "minItems": 1, "maxItems": 1000, "items": schema}
+    signature = [{"name": name, "in": "header", "required": False, "description": text,
+                  "schema": {"type": "string"}} for name, text in (
+        ("webhook-id", "Standard Webhooks: the delivery's id (signed)"),
+        ("webhook-timestamp", "Standard Webhooks: unix seconds, within 5 minutes of now"),
+        ("webhook-signature", "Standard Webhooks: `v1,<base64 HMAC-SHA256 over "
+         "'{webhook-id}.{webhook-timestamp}.{raw body}'>`, space-separated"))]
     return {
+        "parameters": signature,
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "responses": {
             "400": problem_openapi("Not strict JSON, or not a valid event"),
+            "401": problem_openapi("The signature is missing, bad or stale (when "
+                                   "EXAMPLE_WEBHOOK_SECRETS is set); nothing was stored"),
+            "404": problem_openapi("The source is not in EXAMPLE_WEBHOOK_SECRETS; nothing "
+                                   "was stored"),
             "413": problem_openapi(f"The body is larger than {DEFAULT_MAX_BODY} bytes"),
             "415": problem_openapi("The body is not UTF-8 application/json"),
             "422": problem_openapi("A parameter FastAPI rejects (events themselves get 400)"),
@@ -183,10 +205,13 @@ def _payment_json(row: Any) -> dict[str, Any]:
 
 
 def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic",
-               auth: BearerTokens | None = None) -> FastAPI:
+               auth: BearerTokens | None = None,
+               webhooks: WebhookSources | None = None) -> FastAPI:
     """The service; without `engine` it connects to `DATABASE_URL` (and disposes on exit).
 
     `auth` maps bearer tokens to identities (default: `EXAMPLE_API_TOKENS`, see auth.py).
+    `webhooks`: the accepted sources and their signatures (default:
+    `EXAMPLE_WEBHOOK_SECRETS`, see webhooks.py).
 
     The `payments` schema is created at startup (`ensure_schema`); the outbox schema
     comes from `outbox migrate`.
@@ -255,6 +280,8 @@ def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic
             raise Problem(404, f"payment {payment_id} does not exist", code="not_found")
         return _payment_json(row)
 
+    sources = webhooks if webhooks is not None else sources_from_env()
+
     def _ingest_one(event: IncomingEvent) -> str:
         return _ingest_in_transaction(db, lambda conn: ingest(
             conn, event.source, event.event_id, event.payload, event.version,
@@ -267,16 +294,17 @@ def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic
     @app.post("/webhooks/{source}", response_model=Outcome,
               openapi_extra=_body_schema(WebhookEvent))
     async def receive_event(source: SourceParam, request: Request) -> dict[str, str]:
-        check_json_media_type(request)
-        event = parse_event(source, await read_body(request))
+        event = parse_event(source, await verified_body(sources, source, request))
         return {"outcome": await run_in_threadpool(_ingest_one, event)}
 
     @app.post("/webhooks/{source}/batch", response_model=Outcomes,
               openapi_extra=_body_schema(WebhookEvent, array=True))
     async def receive_events(source: SourceParam, request: Request) -> dict[str, list[str]]:
-        """Several events in one transaction; repeated ids are folded (one row each)."""
-        check_json_media_type(request)
-        events = parse_event_batch(source, await read_body(request))
+        """Several events in one transaction; repeated ids are folded (one row each).
+
+        One signature covers the whole raw array (its own `webhook-id`).
+        """
+        events = parse_event_batch(source, await verified_body(sources, source, request))
         return {"outcomes": await run_in_threadpool(_ingest_batch, events)}
 
     @app.get("/healthz", responses={
