@@ -10,7 +10,7 @@ from outbox._canonical import (
     parse_idempotency_key,
     parse_json_body,
 )
-from outbox._config import database_url, make_engine
+from outbox._config import bound_calls, database_url, make_engine
 from outbox._enqueue import Effect, Enqueued, add_doorbell, enqueue, enqueue_many, remove_doorbell
 from outbox._idempotency import Claim, IdempotencyGuard, Result, StoredResponse
 from outbox._inbox import (
@@ -22,9 +22,17 @@ from outbox._inbox import (
     mark_processed,
     parse_event,
     parse_event_batch,
+    purge_entity_versions,
     purge_inbox,
+    purge_inbox_conflicts,
 )
 from outbox._schema import AttemptOutcome, EffectStatus, InboxOutcome, KeyStatus
+from outbox.webhooks import (
+    GitHubSignature,
+    StandardWebhooks,
+    StripeSignature,
+    WebhookSources,
+)
 
 __all__ = [
     "AttemptOutcome",
@@ -32,6 +40,7 @@ __all__ = [
     "Effect",
     "EffectStatus",
     "Enqueued",
+    "GitHubSignature",
     "IdempotencyGuard",
     "Inbox",
     "InboxOutcome",
@@ -39,8 +48,12 @@ __all__ = [
     "IngestResult",
     "KeyStatus",
     "Result",
+    "StandardWebhooks",
     "StoredResponse",
+    "StripeSignature",
+    "WebhookSources",
     "add_doorbell",
+    "bound_calls",
     "canonical_json",
     "database_url",
     "enqueue",
@@ -54,6 +67,8 @@ __all__ = [
     "parse_event_batch",
     "parse_idempotency_key",
     "parse_json_body",
+    "purge_entity_versions",
     "purge_inbox",
+    "purge_inbox_conflicts",
     "remove_doorbell",
 ]
