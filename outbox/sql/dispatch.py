@@ -234,3 +234,88 @@ def seconds_until_due(conn: Connection, queue: str, now: datetime | None = None
     """Seconds until something becomes claimable (<= 0: now); None if nothing waits."""
     wait = conn.execute(_NEXT_DUE, {"queue": queue, "now": now}).scalar_one()
     return None if wait is None else float(wait)
+
+
+# Claimable now, exactly as `claim_due` decides (keep the three in step): a due pending
+# row at the head of its ordering key, or an expired lease that may still be retried.
+# "Due" by any looser test (a blocked successor, an exhausted lease) would make every
+# drain and sweep ring again at once, forever, for work no claim will take.
+_CLAIMABLE_PENDING = f"""
+    e.status = 'pending' AND e.available_at <= {_NOW}
+    AND (e.ordering_key IS NULL OR NOT EXISTS (
+         SELECT 1 FROM outbox.effects h
+          WHERE h.ordering_key = e.ordering_key AND h.id < e.id
+            AND h.status IN ('pending', 'in_flight', 'failed', 'needs_review')))"""
+_CLAIMABLE_RESCUE = f"""
+    e.status = 'in_flight' AND e.lease_expires_at < {_NOW}
+    AND e.attempts < e.max_attempts
+    AND (e.retry_until IS NULL OR e.retry_until > {_NOW})"""
+
+# The queues a sweep must ring. The distinct queues of pending rows come from a skip
+# scan of effects_pending_idx (one index probe per queue, however deep the backlog);
+# in-flight rows are few (bounded by the workers' slots).
+_QUEUES_WITH_DUE_WORK = text(
+    f"""
+    WITH RECURSIVE pending_queues(queue) AS (
+        (SELECT queue FROM outbox.effects WHERE status = 'pending' ORDER BY queue LIMIT 1)
+        UNION ALL
+        SELECT (SELECT e.queue FROM outbox.effects e
+                 WHERE e.status = 'pending' AND e.queue > p.queue
+                 ORDER BY e.queue LIMIT 1)
+          FROM pending_queues p WHERE p.queue IS NOT NULL
+    ), candidates AS (
+        SELECT queue FROM pending_queues WHERE queue IS NOT NULL
+        UNION
+        SELECT queue FROM outbox.effects WHERE status = 'in_flight'
+    )
+    SELECT c.queue FROM candidates c
+     WHERE EXISTS (SELECT 1 FROM outbox.effects e
+                    WHERE e.queue = c.queue AND {_CLAIMABLE_PENDING})
+        OR EXISTS (SELECT 1 FROM outbox.effects e
+                    WHERE e.queue = c.queue AND {_CLAIMABLE_RESCUE})
+     ORDER BY c.queue
+    """
+)
+
+
+def queues_with_due_work(conn: Connection, now: datetime | None = None) -> list[str]:
+    """Every queue holding an effect a claim would take now (the sweep rings each)."""
+    return list(conn.execute(_QUEUES_WITH_DUE_WORK, {"now": now}).scalars())
+
+
+# When a drain that found nothing to claim must look again: 0 if a claim would take
+# something now (a row committed or freed after its last claim), else the first
+# future moment a row becomes claimable: a retry's available_at, or the expiry of a
+# lease that may still be rescued (its worker may be dead). Rows blocked behind their
+# ordering key's head and exhausted leases (the sweep dead-letters those) never make
+# it "now", so a drain never re-arms in a loop for them.
+_SECONDS_UNTIL_CLAIMABLE = text(
+    f"""
+    SELECT CASE
+      WHEN EXISTS (SELECT 1 FROM outbox.effects e
+                    WHERE e.queue = :queue AND {_CLAIMABLE_PENDING})
+        OR EXISTS (SELECT 1 FROM outbox.effects e
+                    WHERE e.queue = :queue AND {_CLAIMABLE_RESCUE})
+      THEN CAST(0 AS float8)
+      ELSE CAST(extract(epoch FROM least(
+             (SELECT min(available_at) FROM outbox.effects
+               WHERE status = 'pending' AND queue = :queue AND available_at > {_NOW}),
+             (SELECT min(lease_expires_at) FROM outbox.effects
+               WHERE status = 'in_flight' AND queue = :queue
+                 AND lease_expires_at >= {_NOW} AND attempts < max_attempts
+                 AND (retry_until IS NULL OR retry_until > lease_expires_at))
+           ) - {_NOW}) AS float8)
+    END AS wait
+    """
+)
+
+
+def seconds_until_claimable(conn: Connection, queue: str, now: datetime | None = None
+                            ) -> float | None:
+    """0 if a claim on `queue` would take something now, else seconds until one would.
+
+    None: nothing on `queue` waits for a moment to pass (a blocked successor becomes
+    claimable when its head is delivered, by the drain that delivers it).
+    """
+    wait = conn.execute(_SECONDS_UNTIL_CLAIMABLE, {"queue": queue, "now": now}).scalar_one()
+    return None if wait is None else float(wait)
