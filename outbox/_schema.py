@@ -26,7 +26,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 SCHEMA = "outbox"
 
@@ -101,6 +101,9 @@ idempotency_keys = Table(
         name="status_columns",
     ),
     Index("idempotency_keys_expires_at_idx", "expires_at"),
+    # Phased claims only, for the console's stale-claim count (migration 0004).
+    Index("idempotency_keys_processing_idx", "lock_expires_at",
+          postgresql_where=text("status = 'processing'")),
 )
 
 # Storage settings (fillfactor 80, aggressive autovacuum) are set by migration 0001:
@@ -169,6 +172,15 @@ effects = Table(
         "finished_at",
         postgresql_where=text("finished_at IS NOT NULL"),
     ),
+    # The console's list and counts, per status in id order; no entry for in-flight or
+    # delivered rows, so claims and deliveries never write to it (migration 0004).
+    Index(
+        "effects_console_idx",
+        "status",
+        "id",
+        postgresql_include=["queue"],
+        postgresql_where=text("status IN ('pending', 'failed', 'needs_review', 'cancelled')"),
+    ),
 )
 
 attempts = Table(
@@ -191,6 +203,37 @@ attempts = Table(
     Column("trace_id", Text),
     CheckConstraint(_in("outcome", AttemptOutcome), name="outcome"),
     Index("attempts_effect_id_idx", "effect_id", "attempt"),
+    # Appended in time order: a BRIN index finds the last hour for the console's chart.
+    Index("attempts_finished_at_idx", "finished_at", postgresql_using="brin",
+          postgresql_with={"pages_per_range": 32}),
+)
+
+
+class ConsoleAction(StrEnum):
+    RETRY = "retry"
+    CANCEL = "cancel"
+    REDRIVE = "redrive"
+
+
+class ConsoleOutcome(StrEnum):
+    DONE = "done"
+    REFUSED = "refused"
+
+
+# The console's audit: who asked for which retry, cancel or redrive, and what changed.
+console_actions = Table(
+    "console_actions",
+    metadata,
+    Column("id", BigInteger, Identity(always=False), primary_key=True),
+    Column("at", TS, nullable=False, server_default=NOW),
+    Column("actor", Text, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("outcome", Text, nullable=False),
+    Column("effect_ids", ARRAY(BigInteger), nullable=False,
+           server_default=text("'{}'::bigint[]")),
+    Column("request", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    CheckConstraint(_in("action", ConsoleAction), name="action"),
+    CheckConstraint(_in("outcome", ConsoleOutcome), name="outcome"),
 )
 
 
