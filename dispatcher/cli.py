@@ -62,7 +62,7 @@ def status_snapshot(engine: Engine) -> dict[str, Any]:
         counts = fx.count_effects(conn)
         health = fx.effect_health(conn)
         blocked = fx.blocked_ordering_keys(conn)
-        key_counts = kx.count_keys(conn)  # each claim carries its TTL
+        key_counts = kx.count_keys().run(conn)  # each claim carries its TTL
     out: dict[str, Any] = {s: counts.get(s, 0) for s in STATUSES}
     out.update(health)
     out["idempotency_keys"] = key_counts
@@ -186,7 +186,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
             break
     while True:
         with engine.begin() as conn:
-            n = kx.purge_expired_keys(conn, args.batch)
+            n = kx.purge_expired_keys(args.batch).run(conn)
         totals["idempotency_keys"] += n
         if n < args.batch:
             break

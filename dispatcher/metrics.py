@@ -72,7 +72,7 @@ def read_snapshot(engine: Engine, *, taken_at: float | None = None) -> QueueSnap
     with engine.connect() as conn:
         counts = fx.count_effects(conn)
         health = fx.effect_health(conn)
-        keys = kx.count_keys(conn)  # stale by each claim's own TTL
+        keys = kx.count_keys().run(conn)  # stale by each claim's own TTL
     return QueueSnapshot(
         effects={s: int(counts.get(s, 0)) for s in GAUGE_STATUSES},
         due=int(health["due"]),

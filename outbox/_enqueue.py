@@ -1,4 +1,8 @@
-"""enqueue(): write outbox rows in the caller's transaction; never send anything."""
+"""enqueue(): write outbox rows in the caller's transaction; never send anything.
+
+`enqueue`/`enqueue_many` on sync handles, `aenqueue`/`aenqueue_many` on async ones: one
+set of statements run through the driver seam (outbox/_driver.py).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,17 @@ import contextlib
 import json
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import propagate, trace
-from sqlalchemy import Connection, event
-from sqlalchemy.orm import Session
+from sqlalchemy import event
 
 from outbox._canonical import _check_strings
 from outbox._config import NOTIFY_CHANNEL
+from outbox._driver import Query, adrive, drive
 from outbox._idempotency import Claim, Clock, Connectable, database_clock
 from outbox._telemetry import effects_enqueued, tracer
 from outbox.errors import EffectKeyConflict, InvalidInput
@@ -90,35 +95,156 @@ def _canonical_json(text: str) -> str:
     return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
 
 
-def _ring_after_commit(target: Connectable, conn: Connection, queues: set[str]) -> None:
+def _after_commit_hook(target: Any) -> tuple[Any, Callable[[Callable[..., None]], None]] | None:
+    """(owner, register) for `target`'s after-commit hook; None where there is none.
+
+    SQLAlchemy Session (and scoped/async forms): `after_commit`. A Core Connection has
+    no after-commit event: it rings at `commit`, which may beat the COMMIT (the Celery
+    drain looks again shortly, then the sweep). Django: `transaction.on_commit`. A bare
+    psycopg connection has no hook: a documented no-op; the transactional NOTIFY still
+    wakes LISTEN workers, and the Celery sweep finds the rows.
+    """
+    module = type(target).__module__
+    if module.startswith("sqlalchemy"):
+        from sqlalchemy import Connection
+        from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
+        from sqlalchemy.orm import Session, scoped_session
+
+        if isinstance(target, scoped_session | async_scoped_session):
+            target = target()
+        if isinstance(target, AsyncSession):
+            target = target.sync_session
+        if isinstance(target, AsyncConnection):
+            target = target.sync_connection
+        if isinstance(target, Session):
+            session = target
+            return session, lambda ring: event.listen(session, "after_commit", ring, once=True)
+        if isinstance(target, Connection):
+            conn = target
+            return conn, lambda ring: event.listen(conn, "commit", ring, once=True)
+        return None
+    if module.startswith("django.") and hasattr(target, "on_commit"):
+        # Django drops on_commit callbacks at rollback: no per-owner folding here (a
+        # folded ring could be dropped with a rolled-back block), one ring per call.
+        django_conn = target
+        return None, lambda ring: django_conn.on_commit(ring)
+    return None
+
+
+# One pending ring per transaction owner: several enqueue calls in one transaction ring
+# each queue once. Weak keys: a forgotten Session or Connection takes its entry along.
+_pending: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_pending_lock = threading.Lock()
+
+
+def _ring_after_commit(target: Any, queues: set[str]) -> None:
     """Ring each queue once per transaction, however many enqueue calls it made."""
     if not _doorbells:
         return
-    # A Core connection's `info` outlives the Connection (it belongs to the pooled
-    # DBAPI connection) while the listener does not: remember which object rings.
-    owner: object = target if isinstance(target, Session) else conn
-    info = target.info
-    registered = info.get("outbox.ring")
-    if registered is not None and registered[0] is owner:
-        registered[1].update(queues)  # a ring is already set up for this transaction
+    hook = _after_commit_hook(target)
+    if hook is None:
         return
-    pending = set(queues)
-    info["outbox.ring"] = (owner, pending)
+    owner, register = hook
+    if owner is None:
+        once = set(queues)
+        register(lambda: _ring(once))
+        return
+    with _pending_lock:
+        folded = _pending.get(owner)
+        if folded is not None:
+            folded.update(queues)  # a ring is already set up for this transaction
+            return
+        pending = set(queues)
+        _pending[owner] = pending
 
     def ring(*_: Any) -> None:
-        if info.get("outbox.ring", (None,))[0] is owner:
-            del info["outbox.ring"]
-        for queue in sorted(pending):
-            for bell in list(_doorbells):
-                with contextlib.suppress(Exception):
-                    bell(queue)
+        with _pending_lock:
+            if _pending.get(owner) is pending:
+                del _pending[owner]
+        _ring(pending)
 
-    if isinstance(target, Session):
-        event.listen(target, "after_commit", ring, once=True)
-    else:
-        # Core has no after-commit hook; ringing at commit time may beat the COMMIT,
-        # which the Celery drain tolerates (it looks again shortly, then the sweep).
-        event.listen(conn, "commit", ring, once=True)
+    register(ring)
+
+
+def _ring(queues: set[str]) -> None:
+    for queue in sorted(queues):
+        for bell in list(_doorbells):
+            with contextlib.suppress(Exception):
+                bell(queue)
+
+
+def _rows_for(batch: Sequence[Effect], claim: Claim | None, headers: str
+              ) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Validate, derive keys, and fold same-key effects (refusing different ones)."""
+    rows: list[dict[str, Any]] = []
+    keys: list[str] = []
+    for effect in batch:
+        _validate(effect)
+        if effect.key is not None:
+            key = effect.key
+        elif claim is not None:
+            key = claim.effect_key(effect.kind, effect.name)
+        else:
+            key = f"{effect.kind[:200]}:{uuid.uuid4().hex}"
+        keys.append(key)
+        rows.append({
+            "key": key,
+            "kind": effect.kind,
+            "payload": json.dumps(effect.payload, allow_nan=False, separators=(",", ":")),
+            "headers": headers,
+            "ordering_key": effect.ordering_key,
+            "queue": effect.queue,
+            "max_attempts": effect.max_attempts,
+            "delay": float(effect.delay),
+            "retry_for": effect.retry_for,
+        })
+    # Two effects with one key in a batch: the first wins, the rest are duplicates,
+    # but only if they are the same effect.
+    unique: dict[str, dict[str, Any]] = {}
+    clashes: list[str] = []
+    for row in rows:
+        first = unique.setdefault(row["key"], row)
+        if first is not row and (first["kind"], _canonical_json(first["payload"])) != (
+                row["kind"], _canonical_json(row["payload"])):
+            clashes.append(row["key"])
+    if clashes:
+        raise EffectKeyConflict(clashes)
+    return keys, unique
+
+
+def _insert(batch: Sequence[Effect], keys: list[str], unique: dict[str, dict[str, Any]],
+            clock: Clock) -> Generator[Query[Any], Any, list[Enqueued]]:
+    """The statements of one enqueue, once for sync and async (outbox/_driver.py)."""
+    ordering_keys = [r["ordering_key"] for r in unique.values() if r["ordering_key"]]
+    if ordering_keys:  # per-key FIFO needs ids in commit order (see the statement)
+        yield sql.lock_ordering_keys(ordering_keys)
+    inserted: dict[str, int] = yield sql.insert_effects(
+        list(unique.values()), NOTIFY_CHANNEL, now=clock())
+    missing = [r for k, r in unique.items() if k not in inserted]
+    existing: dict[str, tuple[int, bool]] = (
+        (yield sql.match_existing_effects(missing)) if missing else {})
+    conflicts = [k for k, (_, same) in existing.items() if not same]
+    if conflicts:
+        raise EffectKeyConflict(conflicts)
+    gone = [r for r in missing if r["key"] not in existing]
+    if gone:  # purged between our insert and the lookup: insert those again
+        inserted.update((yield sql.insert_effects(gone, NOTIFY_CHANNEL, now=clock())))
+    results: list[Enqueued] = []
+    seen: set[str] = set()
+    for key, effect in zip(keys, batch, strict=True):
+        fresh = key in inserted and key not in seen
+        seen.add(key)
+        found = inserted.get(key) or existing[key][0]
+        results.append(Enqueued(found, key, fresh))
+        effects_enqueued.add(1, {"kind": effect.kind,
+                                 "result": "inserted" if fresh else "duplicate"})
+    return results
+
+
+def _carrier() -> str:
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return json.dumps(carrier)
 
 
 def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
@@ -126,76 +252,37 @@ def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
                  ) -> list[Enqueued]:
     """Insert effects in the caller's transaction, in one statement; never commits.
 
-    Keys: the effect's own `key`, else derived from `claim` (stable across retries of
-    the request), else random. A key already present with the same kind and payload is
-    a no-op, reported as such; with another kind or payload it raises
-    EffectKeyConflict (never a silent drop of the new effect).
-    The current trace context rides in each row so delivery continues the trace.
+    `target`: any handle of the driver seam (psycopg Connection, SQLAlchemy
+    Connection/Session/scoped_session, Django's connection); `aenqueue_many` takes the
+    async ones. Keys: the effect's own `key`, else derived from `claim` (stable across
+    retries of the request), else random. A key already present with the same kind and
+    payload is a no-op, reported as such; with another kind or payload it raises
+    EffectKeyConflict (never a silent drop of the new effect). The current trace
+    context rides in each row so delivery continues the trace.
     """
     batch: Sequence[Effect] = list(effects)
     if not batch:
         return []
-    conn = target.connection() if isinstance(target, Session) else target
     with tracer.start_as_current_span("outbox.enqueue", kind=trace.SpanKind.PRODUCER) as span:
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
-        headers = json.dumps(carrier)
-        rows: list[dict[str, Any]] = []
-        keys: list[str] = []
-        for effect in batch:
-            _validate(effect)
-            if effect.key is not None:
-                key = effect.key
-            elif claim is not None:
-                key = claim.effect_key(effect.kind, effect.name)
-            else:
-                key = f"{effect.kind[:200]}:{uuid.uuid4().hex}"
-            keys.append(key)
-            rows.append({
-                "key": key,
-                "kind": effect.kind,
-                "payload": json.dumps(effect.payload, allow_nan=False, separators=(",", ":")),
-                "headers": headers,
-                "ordering_key": effect.ordering_key,
-                "queue": effect.queue,
-                "max_attempts": effect.max_attempts,
-                "delay": float(effect.delay),
-                "retry_for": effect.retry_for,
-            })
-        # Two effects with one key in a batch: the first wins, the rest are duplicates,
-        # but only if they are the same effect.
-        unique: dict[str, dict[str, Any]] = {}
-        clashes: list[str] = []
-        for row in rows:
-            first = unique.setdefault(row["key"], row)
-            if first is not row and (first["kind"], _canonical_json(first["payload"])) != (
-                    row["kind"], _canonical_json(row["payload"])):
-                clashes.append(row["key"])
-        if clashes:
-            raise EffectKeyConflict(clashes)
-        ordering_keys = [r["ordering_key"] for r in unique.values() if r["ordering_key"]]
-        if ordering_keys:  # per-key FIFO needs ids in commit order (see the statement)
-            sql.lock_ordering_keys(conn, ordering_keys)
-        inserted = sql.insert_effects(conn, list(unique.values()), NOTIFY_CHANNEL, now=clock())
-        missing = [r for k, r in unique.items() if k not in inserted]
-        existing = sql.match_existing_effects(conn, missing) if missing else {}
-        conflicts = [k for k, (_, same) in existing.items() if not same]
-        if conflicts:
-            raise EffectKeyConflict(conflicts)
-        gone = [r for r in missing if r["key"] not in existing]
-        if gone:  # purged between our insert and the lookup: insert those again
-            inserted.update(sql.insert_effects(conn, gone, NOTIFY_CHANNEL, now=clock()))
-        queues = {e.queue for e in batch}
-        _ring_after_commit(target, conn, queues)
-        results: list[Enqueued] = []
-        seen: set[str] = set()
-        for key, effect in zip(keys, batch, strict=True):
-            fresh = key in inserted and key not in seen
-            seen.add(key)
-            found = inserted.get(key) or existing[key][0]
-            results.append(Enqueued(found, key, fresh))
-            effects_enqueued.add(1, {"kind": effect.kind,
-                                     "result": "inserted" if fresh else "duplicate"})
+        keys, unique = _rows_for(batch, claim, _carrier())
+        results: list[Enqueued] = drive(target, _insert(batch, keys, unique, clock))
+        _ring_after_commit(target, {e.queue for e in batch})
+        span.set_attribute("outbox.effects", len(batch))
+        return results
+
+
+async def aenqueue_many(target: Connectable, effects: Iterable[Effect], *,
+                        claim: Claim | None = None, clock: Clock = database_clock
+                        ) -> list[Enqueued]:
+    """`enqueue_many` on an async handle: psycopg AsyncConnection, SQLAlchemy
+    AsyncConnection / AsyncSession / async_scoped_session."""
+    batch: Sequence[Effect] = list(effects)
+    if not batch:
+        return []
+    with tracer.start_as_current_span("outbox.enqueue", kind=trace.SpanKind.PRODUCER) as span:
+        keys, unique = _rows_for(batch, claim, _carrier())
+        results: list[Enqueued] = await adrive(target, _insert(batch, keys, unique, clock))
+        _ring_after_commit(target, {e.queue for e in batch})
         span.set_attribute("outbox.effects", len(batch))
         return results
 
@@ -209,3 +296,15 @@ def enqueue(target: Connectable, kind: str, payload: Any, *, claim: Claim | None
     effect = Effect(kind, payload, key=key, name=name, ordering_key=ordering_key,
                     queue=queue, delay=delay, max_attempts=max_attempts, retry_for=retry_for)
     return enqueue_many(target, [effect], claim=claim, clock=clock)[0]
+
+
+async def aenqueue(target: Connectable, kind: str, payload: Any, *,
+                   claim: Claim | None = None, key: str | None = None,
+                   name: str | None = None, ordering_key: str | None = None,
+                   queue: str = "default", delay: float = 0.0,
+                   max_attempts: int = DEFAULT_MAX_ATTEMPTS, retry_for: float | None = None,
+                   clock: Clock = database_clock) -> Enqueued:
+    """Enqueue one effect on an async handle; see `enqueue_many`."""
+    effect = Effect(kind, payload, key=key, name=name, ordering_key=ordering_key,
+                    queue=queue, delay=delay, max_attempts=max_attempts, retry_for=retry_for)
+    return (await aenqueue_many(target, [effect], claim=claim, clock=clock))[0]

@@ -8,23 +8,33 @@ Two modes share one table (DESIGN.md §4):
 * phased: for handlers that must call out before they can answer. The claim commits
   first (twins see it), a TTL heals crashes, a takeover is a fenced conditional
   UPDATE, and completion only succeeds while our token still holds the key.
+
+The protocol is written once, as generators that yield statements (`_begin`,
+`_complete`, `_claim`, `_release`), and run by the driver seam on a sync handle
+(`begin`, `complete`, ...) or an async one (`abegin`, `acomplete`, ...): the same
+semantics on psycopg, every SQLAlchemy handle and Django (outbox/_driver.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
-from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.orm import Session
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_exponential
+import psycopg
+from tenacity import (
+    AsyncRetrying,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
 
+from outbox._driver import Query, adrive, drive
 from outbox._telemetry import idempotency_requests
 from outbox.errors import ClaimLost, KeyReused, RequestInProgress
 from outbox.sql import keys as sql
@@ -84,11 +94,9 @@ class Claim:
         return f"{kind[:200]}:{digest}"
 
 
-Connectable = Connection | Session
-
-
-def _conn(target: Connectable) -> Connection:
-    return target.connection() if isinstance(target, Session) else target
+# Any handle the driver seam accepts (psycopg, SQLAlchemy, Django): outbox/_driver.py.
+Connectable = Any
+Flow = Generator[Query[Any], Any, Any]
 
 
 def advisory_lock_id(scope: str, key: str) -> int:
@@ -97,30 +105,21 @@ def advisory_lock_id(scope: str, key: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-@contextmanager
-def _read_committed(engine: Engine) -> Iterator[Connection]:
-    """A short transaction of its own at READ COMMITTED, whatever the engine's level.
-
-    The phased claim and release run here: at REPEATABLE READ or SERIALIZABLE an
-    ON CONFLICT against a twin's claim committed after our snapshot raises 40001 (a
-    500) instead of answering 409. (A connection-level option, so it overrides an
-    engine-level `isolation_level`; it is reset when the connection goes back.)
-    """
-    with engine.connect() as conn:
-        conn.execution_options(isolation_level="READ COMMITTED")
-        with conn.begin():
-            yield conn
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a psycopg error, or of one SQLAlchemy wrapped."""
+    code = getattr(exc, "sqlstate", None)
+    if code is None:
+        code = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return code if isinstance(code, str) else None
 
 
 def _is_transient(exc: BaseException) -> bool:
     """Serialization failures and deadlocks: the whole transaction may be retried."""
-    if not isinstance(exc, DBAPIError) or exc.orig is None:
-        return False
-    return getattr(exc.orig, "sqlstate", None) in ("40001", "40P01")
+    return sqlstate(exc) in ("40001", "40P01")
 
 
 def _is_lock_timeout(exc: BaseException) -> bool:
-    return isinstance(exc, OperationalError) and getattr(exc.orig, "sqlstate", None) == "55P03"
+    return sqlstate(exc) == "55P03"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +128,69 @@ class Result:
 
     response: StoredResponse
     replayed: bool
+
+
+# -- transactions on whatever the caller gave `run` --------------------------------------
+
+
+def _is_sqlalchemy(obj: object) -> bool:
+    return type(obj).__module__.startswith("sqlalchemy")
+
+
+@contextmanager
+def _transaction(source: Any, *, read_committed: bool = False) -> Iterator[Any]:
+    """A transaction of its own on a SQLAlchemy Engine or a psycopg Connection.
+
+    `read_committed`: the phased claim and release run there whatever the default
+    level: at REPEATABLE READ or SERIALIZABLE an ON CONFLICT against a twin's claim
+    committed after our snapshot raises 40001 (a 500) instead of answering 409.
+    """
+    if isinstance(source, psycopg.Connection):
+        with source.transaction():
+            if read_committed:
+                source.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            yield source
+        return
+    if _is_sqlalchemy(source) and hasattr(source, "begin") and hasattr(source, "connect"):
+        if read_committed:  # a connection-level option: overrides the engine's level
+            with source.connect() as conn:
+                conn.execution_options(isolation_level="READ COMMITTED")
+                with conn.begin():
+                    yield conn
+            return
+        with source.begin() as conn:
+            yield conn
+        return
+    raise TypeError(f"run() needs a SQLAlchemy Engine or a psycopg Connection, not "
+                    f"{type(source).__name__}; inside your own transaction use begin()")
+
+
+@asynccontextmanager
+async def _atransaction(source: Any, *, read_committed: bool = False) -> AsyncIterator[Any]:
+    """The async twin: a SQLAlchemy AsyncEngine or a psycopg AsyncConnection."""
+    if isinstance(source, psycopg.AsyncConnection):
+        async with source.transaction():
+            if read_committed:
+                await source.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            yield source
+        return
+    if _is_sqlalchemy(source) and hasattr(source, "begin") and hasattr(source, "connect"):
+        if read_committed:
+            async with source.connect() as conn:
+                await conn.execution_options(isolation_level="READ COMMITTED")
+                async with conn.begin():
+                    yield conn
+            return
+        async with source.begin() as conn:
+            yield conn
+        return
+    raise TypeError(f"arun() needs a SQLAlchemy AsyncEngine or a psycopg AsyncConnection, "
+                    f"not {type(source).__name__}; inside your own transaction use abegin()")
+
+
+def _retrying() -> dict[str, Any]:
+    return {"retry": retry_if_exception(_is_transient), "stop": stop_after_attempt(5),
+            "wait": wait_random_exponential(multiplier=0.01, max=0.2), "reraise": True}
 
 
 class IdempotencyGuard:
@@ -148,7 +210,7 @@ class IdempotencyGuard:
         self.lock_timeout_ms = lock_timeout_ms
         self.clock = clock
 
-    # -- shared ----------------------------------------------------------------------
+    # -- the protocol, once ------------------------------------------------------------
 
     def _check_existing(self, row: sql.KeyRow, fingerprint: str) -> StoredResponse | None:
         """Replay, refuse (422/409) or return None when the row is an expired claim."""
@@ -168,50 +230,36 @@ class IdempotencyGuard:
         idempotency_requests.add(1, {"outcome": "in_progress"})
         raise RequestInProgress(retry_after=self.retry_after)
 
-    # -- atomic mode -----------------------------------------------------------------
-
-    def begin(self, target: Connectable, scope: str, key: str, fingerprint: str
-              ) -> Claim | StoredResponse:
-        """Atomic mode, inside the caller's transaction: a Claim, or the cached answer.
-
-        Raises RequestInProgress (a twin holds the key) or KeyReused (other request).
-        """
-        conn = _conn(target)
-        if not sql.try_lock_key(conn, advisory_lock_id(scope, key)):
+    def _begin(self, scope: str, key: str, fingerprint: str) -> Flow:
+        if not (yield sql.try_lock_key(advisory_lock_id(scope, key))):
             idempotency_requests.add(1, {"outcome": "in_progress"})
             raise RequestInProgress(retry_after=self.retry_after)
-        row = sql.get_key(conn, scope, key, now=self.clock())
-        generation = uuid.uuid4()
-        if row is not None:
-            cached = self._check_existing(row, fingerprint)
-            if cached is not None:
-                return cached
-            # An expired phased claim (its holder crashed): fence it out, take over,
-            # keeping its generation so the retried request enqueues the same keys.
-            assert row.lock_token is not None
-            if not sql.release_key(conn, scope=scope, key=key, token=row.lock_token):
-                raise RequestInProgress(retry_after=self.retry_after)
-            idempotency_requests.add(1, {"outcome": "taken_over"})
-            return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(), taken_over=True,
-                         generation=row.generation)
-        return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(), generation=generation)
+        row = yield sql.get_key(scope, key, now=self.clock())
+        if row is None:
+            return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(),
+                         generation=uuid.uuid4())
+        cached = self._check_existing(row, fingerprint)
+        if cached is not None:
+            return cached
+        # An expired phased claim (its holder crashed): fence it out, take over,
+        # keeping its generation so the retried request enqueues the same keys.
+        assert row.lock_token is not None
+        if not (yield sql.release_key(scope=scope, key=key, token=row.lock_token)):
+            raise RequestInProgress(retry_after=self.retry_after)
+        idempotency_requests.add(1, {"outcome": "taken_over"})
+        return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(), taken_over=True,
+                     generation=row.generation)
 
-    def complete(self, target: Connectable, claim: Claim, response: StoredResponse) -> None:
-        """Store the response in the caller's transaction; it commits with the work.
-
-        In phased mode the write is fenced by our token: ClaimLost means a retry took
-        the key over, and letting it propagate rolls back this request's work.
-        """
-        conn = _conn(target)
+    def _complete(self, claim: Claim, response: StoredResponse) -> Flow:
         now = self.clock()
         if claim.mode == "atomic":
-            stored = sql.insert_completed_key(
-                conn, scope=claim.scope, key=claim.key, fingerprint=claim.fingerprint,
+            stored = yield sql.insert_completed_key(
+                scope=claim.scope, key=claim.key, fingerprint=claim.fingerprint,
                 status=response.status, headers=response.header_list(), body=response.body,
                 retention_seconds=self.retention, generation=claim.generation, now=now)
         else:
-            stored = sql.complete_claimed_key(
-                conn, scope=claim.scope, key=claim.key, token=claim.token,
+            stored = yield sql.complete_claimed_key(
+                scope=claim.scope, key=claim.key, token=claim.token,
                 status=response.status, headers=response.header_list(), body=response.body,
                 now=now)
         if not stored:
@@ -220,93 +268,142 @@ class IdempotencyGuard:
                             "must roll back")
         idempotency_requests.add(1, {"outcome": "executed"})
 
-    # -- phased mode -----------------------------------------------------------------
-
-    def claim(self, engine: Engine, scope: str, key: str, fingerprint: str
-              ) -> Claim | StoredResponse:
-        """Phased mode: commit a `processing` claim in its own short transaction."""
+    def _claim(self, scope: str, key: str, fingerprint: str) -> Flow:
         token, generation = uuid.uuid4(), uuid.uuid4()
         try:
-            with _read_committed(engine) as conn:
-                sql.set_local_lock_timeout(conn, self.lock_timeout_ms)
-                if not sql.try_lock_key(conn, advisory_lock_id(scope, key)):
-                    idempotency_requests.add(1, {"outcome": "in_progress"})
-                    raise RequestInProgress(retry_after=self.retry_after)
-                now = self.clock()
-                if sql.claim_key(conn, scope=scope, key=key, fingerprint=fingerprint,
-                                 token=token, ttl_seconds=self.ttl,
-                                 retention_seconds=self.retention, generation=generation,
-                                 now=now):
-                    return Claim(scope, key, fingerprint, "phased", token,
-                                 generation=generation)
-                row = sql.get_key(conn, scope, key, now=now)
-                if row is None:  # purged between the insert and the read
-                    raise RequestInProgress(retry_after=self.retry_after)
-                cached = self._check_existing(row, fingerprint)
-                if cached is not None:
-                    return cached
-                taken, kept = sql.take_over_key(conn, scope=scope, key=key, token=token,
-                                                ttl_seconds=self.ttl, now=now)
-                if taken:
-                    idempotency_requests.add(1, {"outcome": "taken_over"})
-                    return Claim(scope, key, fingerprint, "phased", token, taken_over=True,
-                                 generation=kept)
+            yield sql.set_local_lock_timeout(self.lock_timeout_ms)
+            if not (yield sql.try_lock_key(advisory_lock_id(scope, key))):
                 idempotency_requests.add(1, {"outcome": "in_progress"})
                 raise RequestInProgress(retry_after=self.retry_after)
-        except OperationalError as exc:
+            now = self.clock()
+            if (yield sql.claim_key(scope=scope, key=key, fingerprint=fingerprint,
+                                    token=token, ttl_seconds=self.ttl,
+                                    retention_seconds=self.retention,
+                                    generation=generation, now=now)):
+                return Claim(scope, key, fingerprint, "phased", token, generation=generation)
+            row = yield sql.get_key(scope, key, now=now)
+            if row is None:  # purged between the insert and the read
+                raise RequestInProgress(retry_after=self.retry_after)
+            cached = self._check_existing(row, fingerprint)
+            if cached is not None:
+                return cached
+            taken, kept = yield sql.take_over_key(scope=scope, key=key, token=token,
+                                                  ttl_seconds=self.ttl, now=now)
+            if taken:
+                idempotency_requests.add(1, {"outcome": "taken_over"})
+                return Claim(scope, key, fingerprint, "phased", token, taken_over=True,
+                             generation=kept)
+            idempotency_requests.add(1, {"outcome": "in_progress"})
+            raise RequestInProgress(retry_after=self.retry_after)
+        except Exception as exc:
             if _is_lock_timeout(exc):
                 raise RequestInProgress(retry_after=self.retry_after) from None
             raise
 
-    def release(self, engine: Engine, claim: Claim) -> bool:
+    @staticmethod
+    def _release(claim: Claim) -> Flow:
+        released = yield sql.release_key(scope=claim.scope, key=claim.key, token=claim.token)
+        if released:
+            idempotency_requests.add(1, {"outcome": "released"})
+        return bool(released)
+
+    # -- atomic mode, inside the caller's transaction ------------------------------------
+
+    def begin(self, target: Connectable, scope: str, key: str, fingerprint: str
+              ) -> Claim | StoredResponse:
+        """Atomic mode, inside the caller's transaction: a Claim, or the cached answer.
+
+        `target` is any handle of the driver seam (psycopg Connection, SQLAlchemy
+        Connection/Session/scoped_session, Django's connection). Raises
+        RequestInProgress (a twin holds the key) or KeyReused (another request).
+        """
+        result: Claim | StoredResponse = drive(target, self._begin(scope, key, fingerprint))
+        return result
+
+    async def abegin(self, target: Connectable, scope: str, key: str, fingerprint: str
+                     ) -> Claim | StoredResponse:
+        """`begin` on an async handle (psycopg AsyncConnection, SQLAlchemy async)."""
+        result: Claim | StoredResponse = await adrive(
+            target, self._begin(scope, key, fingerprint))
+        return result
+
+    def complete(self, target: Connectable, claim: Claim, response: StoredResponse) -> None:
+        """Store the response in the caller's transaction; it commits with the work.
+
+        In phased mode the write is fenced by our token: ClaimLost means a retry took
+        the key over, and letting it propagate rolls back this request's work.
+        """
+        drive(target, self._complete(claim, response))
+
+    async def acomplete(self, target: Connectable, claim: Claim,
+                        response: StoredResponse) -> None:
+        await adrive(target, self._complete(claim, response))
+
+    # -- phased mode -----------------------------------------------------------------
+
+    def claim(self, engine: Any, scope: str, key: str, fingerprint: str
+              ) -> Claim | StoredResponse:
+        """Phased mode: commit a `processing` claim in its own short transaction.
+
+        `engine`: a SQLAlchemy Engine or a psycopg Connection (not in a transaction).
+        """
+        with _transaction(engine, read_committed=True) as conn:
+            result: Claim | StoredResponse = drive(conn, self._claim(scope, key, fingerprint))
+            return result
+
+    async def aclaim(self, engine: Any, scope: str, key: str, fingerprint: str
+                     ) -> Claim | StoredResponse:
+        """`claim` on a SQLAlchemy AsyncEngine or a psycopg AsyncConnection."""
+        async with _atransaction(engine, read_committed=True) as conn:
+            result: Claim | StoredResponse = await adrive(
+                conn, self._claim(scope, key, fingerprint))
+            return result
+
+    def release(self, engine: Any, claim: Claim) -> bool:
         """Drop our claim after a failure so the client's retry runs at once."""
         if claim.mode != "phased":
             return False
-        with _read_committed(engine) as conn:
-            released = sql.release_key(conn, scope=claim.scope, key=claim.key,
-                                       token=claim.token)
-        if released:
-            idempotency_requests.add(1, {"outcome": "released"})
-        return released
+        with _transaction(engine, read_committed=True) as conn:
+            return bool(drive(conn, self._release(claim)))
+
+    async def arelease(self, engine: Any, claim: Claim) -> bool:
+        if claim.mode != "phased":
+            return False
+        async with _atransaction(engine, read_committed=True) as conn:
+            return bool(await adrive(conn, self._release(claim)))
 
     # -- the whole protocol ------------------------------------------------------------
 
     def run(
         self,
-        engine: Engine,
+        engine: Any,
         scope: str,
         key: str,
         fingerprint: str,
-        work: Callable[[Connection, Claim], StoredResponse],
+        work: Callable[[Any, Claim], StoredResponse],
         *,
         mode: Mode = "atomic",
         prepare: Callable[[Claim], None] | None = None,
     ) -> Result:
         """Run `work` at most once per key and return its (possibly replayed) response.
 
-        `work(conn, claim)` writes business rows and `enqueue(conn, ..., claim=claim)`
-        effects; it must not commit. In phased mode `prepare(claim)` runs first, outside
-        any transaction, for outside I/O. A serialization failure or deadlock retries
-        the transaction (at most 5 tries); any other exception releases the claim.
+        `engine` is a SQLAlchemy Engine (work gets a Connection) or a psycopg Connection
+        (work gets it back, inside a transaction). `work(conn, claim)` writes business
+        rows and `enqueue(conn, ..., claim=claim)` effects; it must not commit. In
+        phased mode `prepare(claim)` runs first, outside any transaction, for outside
+        I/O. A serialization failure or deadlock retries the transaction (at most 5
+        tries); any other exception releases the claim.
         """
-        retrying = retry(
-            retry=retry_if_exception(_is_transient),
-            stop=stop_after_attempt(5),
-            wait=wait_random_exponential(multiplier=0.01, max=0.2),
-            reraise=True,
-        )
         if mode == "atomic":
-            @retrying
-            def attempt_atomic() -> Result:
-                with engine.begin() as conn:
+            for attempt in Retrying(**_retrying()):
+                with attempt, _transaction(engine) as conn:
                     begun = self.begin(conn, scope, key, fingerprint)
                     if isinstance(begun, StoredResponse):
                         return Result(begun, replayed=True)
                     response = work(conn, begun)
                     self.complete(conn, begun, response)
                     return Result(response, replayed=False)
-
-            return attempt_atomic()
+            raise AssertionError("unreachable")  # pragma: no cover
 
         claimed = self.claim(engine, scope, key, fingerprint)
         if isinstance(claimed, StoredResponse):
@@ -314,18 +411,61 @@ class IdempotencyGuard:
         try:
             if prepare is not None:
                 prepare(claimed)
-
-            @retrying
-            def attempt_phased() -> StoredResponse:
-                claimed._effect_counts.clear()
-                with engine.begin() as conn:
-                    response = work(conn, claimed)
-                    self.complete(conn, claimed, response)
-                    return response
-
-            return Result(attempt_phased(), replayed=False)
+            for attempt in Retrying(**_retrying()):
+                with attempt:
+                    claimed._effect_counts.clear()
+                    with _transaction(engine) as conn:
+                        response = work(conn, claimed)
+                        self.complete(conn, claimed, response)
+                    return Result(response, replayed=False)
+            raise AssertionError("unreachable")  # pragma: no cover
         except ClaimLost:
             raise
         except BaseException:
             self.release(engine, claimed)
+            raise
+
+    async def arun(
+        self,
+        engine: Any,
+        scope: str,
+        key: str,
+        fingerprint: str,
+        work: Callable[[Any, Claim], Awaitable[StoredResponse]],
+        *,
+        mode: Mode = "atomic",
+        prepare: Callable[[Claim], Awaitable[None]] | None = None,
+    ) -> Result:
+        """`run` for async code: `engine` is a SQLAlchemy AsyncEngine (work gets an
+        AsyncConnection) or a psycopg AsyncConnection; `work` and `prepare` are awaited."""
+        if mode == "atomic":
+            async for attempt in AsyncRetrying(**_retrying()):
+                with attempt:
+                    async with _atransaction(engine) as conn:
+                        begun = await self.abegin(conn, scope, key, fingerprint)
+                        if isinstance(begun, StoredResponse):
+                            return Result(begun, replayed=True)
+                        response = await work(conn, begun)
+                        await self.acomplete(conn, begun, response)
+                        return Result(response, replayed=False)
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        claimed = await self.aclaim(engine, scope, key, fingerprint)
+        if isinstance(claimed, StoredResponse):
+            return Result(claimed, replayed=True)
+        try:
+            if prepare is not None:
+                await prepare(claimed)
+            async for attempt in AsyncRetrying(**_retrying()):
+                with attempt:
+                    claimed._effect_counts.clear()
+                    async with _atransaction(engine) as conn:
+                        response = await work(conn, claimed)
+                        await self.acomplete(conn, claimed, response)
+                    return Result(response, replayed=False)
+            raise AssertionError("unreachable")  # pragma: no cover
+        except ClaimLost:
+            raise
+        except BaseException:
+            await self.arelease(engine, claimed)
             raise

@@ -486,8 +486,8 @@ def test_f06_take_over_statement_is_a_compare_and_set(storm_engine: Engine,
         with storm_engine.begin() as conn:
             conn.execute(text("SELECT 1"))
             barrier.wait(timeout=30)
-            return keysql.take_over_key(conn, scope=SCOPE, key=key, token=uuid.uuid4(),
-                                        ttl_seconds=60)[0]
+            return keysql.take_over_key(scope=SCOPE, key=key, token=uuid.uuid4(),
+                                        ttl_seconds=60).run(conn)[0]
 
     with ThreadPoolExecutor(racers) as pool:
         for trial in range(trials):

@@ -123,7 +123,7 @@ def test_status_counts_stale_claims_by_their_own_ttl(engine: Engine, db_url: str
         assert isinstance(guard.claim(engine, SCOPE, key, "fp"), Claim)
     assert isinstance(IdempotencyGuard(ttl=5.0).claim(engine, SCOPE, "new", "fp"), Claim)
     with engine.connect() as conn:
-        counts = kx.count_keys(conn)
+        counts = kx.count_keys().run(conn)
     assert counts == {"processing": 4, "completed": 0, "stale_processing": 2}
     done = _cli("status", "--json", db_url=db_url)
     assert done.returncode == 0, done.stderr

@@ -277,16 +277,16 @@ def _seed_queue(engine: Engine) -> None:
         # A worker claimed one 120 s ago with a 10 s lease and died.
         dsql.claim_due(conn, queue="parked", limit=1, owner="dead", lease_seconds=10.0,
                        now=past)
-        kx.claim_key(conn, scope="POST /payments", key="stuck", fingerprint="f",
+        kx.claim_key(scope="POST /payments", key="stuck", fingerprint="f",
                      token=uuid.uuid4(), ttl_seconds=60.0, retention_seconds=86400.0,
-                     generation=uuid.uuid4(), now=past)
+                     generation=uuid.uuid4(), now=past).run(conn)
         # Claimed as long ago, but with a TTL of an hour: not stale (its own TTL counts).
-        kx.claim_key(conn, scope="POST /payments", key="slow", fingerprint="f",
+        kx.claim_key(scope="POST /payments", key="slow", fingerprint="f",
                      token=uuid.uuid4(), ttl_seconds=3600.0, retention_seconds=86400.0,
-                     generation=uuid.uuid4(), now=past)
-        kx.claim_key(conn, scope="POST /payments", key="fresh", fingerprint="f",
+                     generation=uuid.uuid4(), now=past).run(conn)
+        kx.claim_key(scope="POST /payments", key="fresh", fingerprint="f",
                      token=uuid.uuid4(), ttl_seconds=60.0, retention_seconds=86400.0,
-                     generation=uuid.uuid4())
+                     generation=uuid.uuid4()).run(conn)
 
 
 def test_queue_gauges_report_what_operators_watch(engine: Engine) -> None:

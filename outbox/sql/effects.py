@@ -1,5 +1,10 @@
 """Statements on `outbox.effects` and `outbox.attempts` outside the dispatch loop:
-enqueue, inspect, repair and purge."""
+enqueue, inspect, repair and purge.
+
+The enqueue statements are `Query`s run through the driver seam on the caller's own
+handle, sync or async (outbox/_driver.py). The inspect/repair/purge statements run on
+our own SQLAlchemy connections (CLI, console) and stay SQLAlchemy `text()` for now.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,14 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, text
 
+from outbox._driver import Query, Result, nothing, sql
+
 _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 
 # The doorbell rides in the same statement: `bell` NOTIFYs each queue that got a new
 # row (PostgreSQL delivers it only if the transaction commits, and folds repeats), and
 # the one-time filter on it makes the planner run it once. One round trip per enqueue.
-_INSERT_EFFECTS = text(
+_INSERT_EFFECTS = sql(
     f"""
     WITH ins AS (
         INSERT INTO outbox.effects
@@ -39,8 +46,8 @@ _INSERT_EFFECTS = text(
 )
 
 
-def insert_effects(conn: Connection, rows: Sequence[dict[str, Any]], channel: str,
-                   now: datetime | None = None) -> dict[str, int]:
+def insert_effects(rows: Sequence[dict[str, Any]], channel: str,
+                   now: datetime | None = None) -> Query[dict[str, int]]:
     """Insert effects and ring `channel` in one statement; {effect_key: id} of new rows.
 
     Each row: key, kind, payload (JSON text), headers (JSON text), ordering_key, queue,
@@ -59,7 +66,11 @@ def insert_effects(conn: Connection, rows: Sequence[dict[str, Any]], channel: st
         "channel": channel,
         "now": now,
     }
-    return {row.effect_key: row.id for row in conn.execute(_INSERT_EFFECTS, params)}
+    return Query(_INSERT_EFFECTS, params, _ids_by_key)
+
+
+def _ids_by_key(result: Result) -> dict[str, int]:
+    return {row.effect_key: row.id for row in result}
 
 
 # Ids come from a sequence at INSERT, visibility at COMMIT: two transactions enqueueing
@@ -68,7 +79,7 @@ def insert_effects(conn: Connection, rows: Sequence[dict[str, Any]], channel: st
 # per-key lock until commit makes ids of one ordering key follow commit order. The
 # two-int form is a key space of its own (the idempotency guard uses the bigint form);
 # a hashtext collision only makes two keys' producers wait on each other.
-_LOCK_ORDERING_KEYS = text(
+_LOCK_ORDERING_KEYS = sql(
     """
     SELECT count(pg_advisory_xact_lock(1869640047, h))
       FROM (SELECT DISTINCT hashtext(k) AS h FROM unnest(CAST(:keys AS text[])) AS u(k)
@@ -77,12 +88,12 @@ _LOCK_ORDERING_KEYS = text(
 )
 
 
-def lock_ordering_keys(conn: Connection, ordering_keys: Sequence[str]) -> None:
+def lock_ordering_keys(ordering_keys: Sequence[str]) -> Query[None]:
     """Wait for (then hold until commit) the producer lock of each ordering key."""
-    conn.execute(_LOCK_ORDERING_KEYS, {"keys": sorted(set(ordering_keys))})
+    return Query(_LOCK_ORDERING_KEYS, {"keys": sorted(set(ordering_keys))}, nothing)
 
 
-_MATCH_EXISTING = text(
+_MATCH_EXISTING = sql(
     """
     SELECT e.effect_key, e.id, (e.kind = v.kind AND e.payload = CAST(v.p AS jsonb)) AS same
       FROM unnest(CAST(:keys AS text[]), CAST(:kinds AS text[]), CAST(:payloads AS text[]))
@@ -92,8 +103,8 @@ _MATCH_EXISTING = text(
 )
 
 
-def match_existing_effects(conn: Connection, rows: Sequence[dict[str, Any]]
-                           ) -> dict[str, tuple[int, bool]]:
+def match_existing_effects(rows: Sequence[dict[str, Any]]
+                           ) -> Query[dict[str, tuple[int, bool]]]:
     """{effect_key: (id, same kind and payload)} for rows whose key exists already.
 
     Only the conflicting rows of an enqueue come here (off the hot path); `same` is
@@ -101,7 +112,8 @@ def match_existing_effects(conn: Connection, rows: Sequence[dict[str, Any]]
     """
     params = {"keys": [r["key"] for r in rows], "kinds": [r["kind"] for r in rows],
               "payloads": [r["payload"] for r in rows]}
-    return {r.effect_key: (r.id, bool(r.same)) for r in conn.execute(_MATCH_EXISTING, params)}
+    return Query(_MATCH_EXISTING, params,
+                 lambda result: {r.effect_key: (r.id, bool(r.same)) for r in result})
 
 
 _COUNT_BY_STATUS = text("SELECT status, count(*) AS n FROM outbox.effects GROUP BY status")

@@ -1,4 +1,8 @@
-"""Statements on `outbox.idempotency_keys` (see docs/architecture.md, "Idempotency keys")."""
+"""Statements on `outbox.idempotency_keys` (see docs/architecture.md, "Idempotency keys").
+
+Each function returns a `Query`: `.run(handle)` on any sync handle, `await .arun(handle)`
+on an async one (outbox/_driver.py); the guard yields them from one sans-IO protocol.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, text
-from sqlalchemy.dialects.postgresql import JSONB
+from psycopg.types.json import Jsonb
+
+from outbox._driver import Query, Result, nothing, rowcount, sql
 
 _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 
@@ -26,23 +31,23 @@ class KeyRow:
     response_body: bytes | None
 
 
-_TRY_LOCK = text("SELECT pg_try_advisory_xact_lock(:lock_id)")
+_TRY_LOCK = sql("SELECT pg_try_advisory_xact_lock(:lock_id)")
 
 
-def try_lock_key(conn: Connection, lock_id: int) -> bool:
+def try_lock_key(lock_id: int) -> Query[bool]:
     """Take the key's advisory lock for this transaction without waiting."""
-    return bool(conn.execute(_TRY_LOCK, {"lock_id": lock_id}).scalar_one())
+    return Query(_TRY_LOCK, {"lock_id": lock_id}, lambda r: bool(r.scalar()))
 
 
-_SET_LOCK_TIMEOUT = text("SELECT set_config('lock_timeout', :timeout, true)")
+_SET_LOCK_TIMEOUT = sql("SELECT set_config('lock_timeout', :timeout, true)")
 
 
-def set_local_lock_timeout(conn: Connection, milliseconds: int) -> None:
+def set_local_lock_timeout(milliseconds: int) -> Query[None]:
     """Bound lock waits for the rest of this transaction (F10: 409, never a hang)."""
-    conn.execute(_SET_LOCK_TIMEOUT, {"timeout": f"{int(milliseconds)}ms"})
+    return Query(_SET_LOCK_TIMEOUT, {"timeout": f"{int(milliseconds)}ms"}, nothing)
 
 
-_GET = text(
+_GET = sql(
     f"""
     SELECT status, fingerprint, lock_token, {_NOW} - locked_at AS age,
            coalesce(lock_expires_at <= {_NOW}, false) AS lock_expired, generation,
@@ -53,8 +58,12 @@ _GET = text(
 )
 
 
-def get_key(conn: Connection, scope: str, key: str, now: datetime | None = None) -> KeyRow | None:
-    row = conn.execute(_GET, {"scope": scope, "key": key, "now": now}).one_or_none()
+def get_key(scope: str, key: str, now: datetime | None = None) -> Query[KeyRow | None]:
+    return Query(_GET, {"scope": scope, "key": key, "now": now}, _key_row)
+
+
+def _key_row(result: Result) -> KeyRow | None:
+    row = result.first()
     if row is None:
         return None
     body = row.response_body
@@ -71,9 +80,7 @@ def get_key(conn: Connection, scope: str, key: str, now: datetime | None = None)
     )
 
 
-_JSON_HEADERS = bindparam("headers", type_=JSONB)
-
-_INSERT_COMPLETED = text(
+_INSERT_COMPLETED = sql(
     f"""
     INSERT INTO outbox.idempotency_keys
            (scope, key, fingerprint, status, response_status, response_headers,
@@ -83,11 +90,10 @@ _INSERT_COMPLETED = text(
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
     """
-).bindparams(_JSON_HEADERS)
+)
 
 
 def insert_completed_key(
-    conn: Connection,
     *,
     scope: str,
     key: str,
@@ -98,17 +104,21 @@ def insert_completed_key(
     retention_seconds: float,
     generation: uuid.UUID | None,
     now: datetime | None = None,
-) -> bool:
+) -> Query[bool]:
     """Atomic mode's single write; False if a row appeared (the unique backstop)."""
     params: dict[str, Any] = {
         "scope": scope, "key": key, "fingerprint": fingerprint, "status": status,
-        "headers": headers, "body": body, "retention": retention_seconds,
+        "headers": Jsonb(headers), "body": body, "retention": retention_seconds,
         "generation": generation, "now": now,
     }
-    return conn.execute(_INSERT_COMPLETED, params).first() is not None
+    return Query(_INSERT_COMPLETED, params, _returned)
 
 
-_CLAIM = text(
+def _returned(result: Result) -> bool:
+    return bool(result.rows)
+
+
+_CLAIM = sql(
     f"""
     INSERT INTO outbox.idempotency_keys
            (scope, key, fingerprint, status, lock_token, locked_at, lock_expires_at,
@@ -123,7 +133,6 @@ _CLAIM = text(
 
 
 def claim_key(
-    conn: Connection,
     *,
     scope: str,
     key: str,
@@ -133,7 +142,7 @@ def claim_key(
     retention_seconds: float,
     generation: uuid.UUID,
     now: datetime | None = None,
-) -> bool:
+) -> Query[bool]:
     """Phased mode: insert a `processing` claim; False if the key already exists.
 
     `ttl_seconds` is stored with the claim (`lock_expires_at`): how long its holder may
@@ -144,10 +153,10 @@ def claim_key(
         "ttl": ttl_seconds, "retention": retention_seconds, "generation": generation,
         "now": now,
     }
-    return conn.execute(_CLAIM, params).first() is not None
+    return Query(_CLAIM, params, _returned)
 
 
-_TAKE_OVER = text(
+_TAKE_OVER = sql(
     f"""
     UPDATE outbox.idempotency_keys
        SET lock_token = :token, locked_at = {_NOW},
@@ -161,24 +170,27 @@ _TAKE_OVER = text(
 
 
 def take_over_key(
-    conn: Connection,
     *,
     scope: str,
     key: str,
     token: uuid.UUID,
     ttl_seconds: float,
     now: datetime | None = None,
-) -> tuple[bool, uuid.UUID | None]:
+) -> Query[tuple[bool, uuid.UUID | None]]:
     """Fenced takeover of an expired claim: exactly one racing retaker gets True.
 
     Also returns the record's generation: the retaken request keeps its effect keys.
     """
     params = {"scope": scope, "key": key, "token": token, "ttl": ttl_seconds, "now": now}
-    row = conn.execute(_TAKE_OVER, params).first()
+    return Query(_TAKE_OVER, params, _taken)
+
+
+def _taken(result: Result) -> tuple[bool, uuid.UUID | None]:
+    row = result.first()
     return (row is not None, row.generation if row is not None else None)
 
 
-_COMPLETE = text(
+_COMPLETE = sql(
     f"""
     UPDATE outbox.idempotency_keys
        SET status = 'completed', lock_token = NULL, locked_at = NULL, lock_expires_at = NULL,
@@ -187,11 +199,10 @@ _COMPLETE = text(
      WHERE scope = :scope AND key = :key AND status = 'processing' AND lock_token = :token
     RETURNING 1
     """
-).bindparams(_JSON_HEADERS)
+)
 
 
 def complete_claimed_key(
-    conn: Connection,
     *,
     scope: str,
     key: str,
@@ -200,16 +211,16 @@ def complete_claimed_key(
     headers: list[list[str]],
     body: bytes,
     now: datetime | None = None,
-) -> bool:
+) -> Query[bool]:
     """Phased mode: store the response iff we still hold the claim (the fence)."""
     params: dict[str, Any] = {
         "scope": scope, "key": key, "token": token, "status": status,
-        "headers": headers, "body": body, "now": now,
+        "headers": Jsonb(headers), "body": body, "now": now,
     }
-    return conn.execute(_COMPLETE, params).first() is not None
+    return Query(_COMPLETE, params, _returned)
 
 
-_RELEASE = text(
+_RELEASE = sql(
     """
     DELETE FROM outbox.idempotency_keys
      WHERE scope = :scope AND key = :key AND status = 'processing' AND lock_token = :token
@@ -218,13 +229,12 @@ _RELEASE = text(
 )
 
 
-def release_key(conn: Connection, *, scope: str, key: str, token: uuid.UUID) -> bool:
+def release_key(*, scope: str, key: str, token: uuid.UUID) -> Query[bool]:
     """Drop our own claim so the client's retry runs at once (never someone else's)."""
-    params = {"scope": scope, "key": key, "token": token}
-    return conn.execute(_RELEASE, params).first() is not None
+    return Query(_RELEASE, {"scope": scope, "key": key, "token": token}, _returned)
 
 
-_PURGE_EXPIRED = text(
+_PURGE_EXPIRED = sql(
     f"""
     DELETE FROM outbox.idempotency_keys
      WHERE ctid = ANY(ARRAY(
@@ -236,7 +246,7 @@ _PURGE_EXPIRED = text(
 )
 
 
-def purge_expired_keys(conn: Connection, batch: int, now: datetime | None = None) -> int:
+def purge_expired_keys(batch: int, now: datetime | None = None) -> Query[int]:
     """Delete up to `batch` completed keys past retention; a purged key may run again.
 
     Never a `processing` claim (F11), however old: its work may still commit, and
@@ -244,10 +254,10 @@ def purge_expired_keys(conn: Connection, batch: int, now: datetime | None = None
     taken over by the next retry after its TTL instead. The status test is repeated on
     the DELETE because READ COMMITTED re-checks only the DELETE's own WHERE.
     """
-    return conn.execute(_PURGE_EXPIRED, {"batch": batch, "now": now}).rowcount
+    return Query(_PURGE_EXPIRED, {"batch": batch, "now": now}, rowcount)
 
 
-_COUNT_BY_STATUS = text(
+_COUNT_BY_STATUS = sql(
     f"""
     SELECT status, count(*) AS n,
            count(*) FILTER (WHERE status = 'processing'
@@ -257,10 +267,14 @@ _COUNT_BY_STATUS = text(
 )
 
 
-def count_keys(conn: Connection, now: datetime | None = None) -> dict[str, int]:
+def count_keys(now: datetime | None = None) -> Query[dict[str, int]]:
     """Keys by status, plus `stale_processing`: claims past their holder's own TTL."""
+    return Query(_COUNT_BY_STATUS, {"now": now}, _key_counts)
+
+
+def _key_counts(result: Result) -> dict[str, int]:
     out: dict[str, int] = {"processing": 0, "completed": 0, "stale_processing": 0}
-    for row in conn.execute(_COUNT_BY_STATUS, {"now": now}):
+    for row in result:
         out[row.status] = row.n
         out["stale_processing"] += row.stale
     return out

@@ -1,0 +1,289 @@
+"""The driver seam: one set of SQL, run on whatever connection holds the caller's transaction.
+
+River's shape (riverpgxv5, riverdatabasesql): statements are plain SQL; a small driver
+runs them on the DBAPI connection *underneath* the caller's handle, so our rows commit
+or roll back with the caller's transaction and we never commit for it.
+
+Handles (`sync_db` / `async_db` find the psycopg connection inside):
+
+=====================================  ==========================================
+psycopg 3 ``Connection``               itself
+psycopg 3 ``AsyncConnection``          itself (async)
+SQLAlchemy ``Connection``              ``conn.connection.driver_connection``
+SQLAlchemy ``Session``/``scoped_session``  ``session.connection()`` then as above
+SQLAlchemy ``AsyncConnection``         ``await conn.get_raw_connection()`` (async)
+SQLAlchemy ``AsyncSession``/``async_scoped_session``  ``await session.connection()``
+Django ``connection`` (psycopg 3)      ``connection.connection`` after ``ensure_connection()``
+=====================================  ==========================================
+
+Going under SQLAlchemy skips its statement compilation and Row building (most of an
+enqueue's client CPU). Two things SQLAlchemy would have done are kept: a transaction is
+begun on its handle first (so `conn.commit()` commits our rows), and a psycopg error is
+re-raised as SQLAlchemy's `DBAPIError` subclass, so SQLAlchemy callers catch what they
+always caught (and a broken connection is invalidated for the pool).
+
+Statements are written with `:name` parameters (as before) and converted once, at
+import, to psycopg's `%(name)s` style.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import psycopg
+from psycopg.rows import namedtuple_row
+
+T = TypeVar("T")
+
+_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One SQL statement in psycopg's parameter style."""
+
+    sql: str
+
+    def __str__(self) -> str:
+        return self.sql
+
+
+def sql(text: str) -> Statement:
+    """`:name` parameters -> `%(name)s`; literal `%` doubled; `::type` casts kept."""
+    return Statement(_PARAM.sub(r"%(\1)s", text.replace("%", "%%")))
+
+
+class Result:
+    """Rows (named tuples: `row.column`) and the rowcount of one execution."""
+
+    __slots__ = ("rowcount", "rows")
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self.rows = rows
+        self.rowcount = rowcount
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.rows)
+
+    def first(self) -> Any | None:
+        return self.rows[0] if self.rows else None
+
+    def one(self) -> Any:
+        if len(self.rows) != 1:
+            raise LookupError(f"expected one row, got {len(self.rows)}")
+        return self.rows[0]
+
+    def scalar(self) -> Any:
+        return self.rows[0][0] if self.rows else None
+
+
+@dataclass(frozen=True, slots=True)
+class Query(Generic[T]):
+    """A statement, its parameters and how to read its result: runnable sync or async."""
+
+    statement: Statement
+    params: Mapping[str, Any]
+    parse: Callable[[Result], T]
+
+    def run(self, handle: Any) -> T:
+        return self.parse(sync_db(handle).execute(self.statement, self.params))
+
+    async def arun(self, handle: Any) -> T:
+        db = await async_db(handle)
+        return self.parse(await db.execute(self.statement, self.params))
+
+
+# -- sync ------------------------------------------------------------------------------
+
+
+class SyncDB:
+    """Runs statements on one psycopg connection, in whatever transaction it is in."""
+
+    __slots__ = ("conn", "wrap")
+
+    def __init__(self, conn: psycopg.Connection[Any], wrap: Callable[[Exception], Exception]
+                 | None = None) -> None:
+        self.conn = conn
+        self.wrap = wrap
+
+    def execute(self, statement: Statement, params: Mapping[str, Any] | None = None) -> Result:
+        try:
+            with self.conn.cursor(row_factory=namedtuple_row) as cur:
+                cur.execute(statement.sql, params)
+                rows = cur.fetchall() if cur.description is not None else []
+                return Result(rows, cur.rowcount)
+        except psycopg.Error as exc:
+            if self.wrap is None:
+                raise
+            raise self.wrap(exc) from exc
+
+
+def _sqlalchemy_sync(conn: Any) -> SyncDB:
+    """A SQLAlchemy Connection: begin its transaction, then run on the DBAPI connection."""
+    if not conn.in_transaction():
+        conn.begin()  # "commit as you go": conn.commit() must commit our rows too
+    raw = conn.connection.driver_connection
+    if not isinstance(raw, psycopg.Connection):
+        raise TypeError("outbox needs the psycopg 3 driver (postgresql+psycopg://)")
+    return SyncDB(raw, _sqlalchemy_error(conn))
+
+
+def _sqlalchemy_error(conn: Any) -> Callable[[Exception], Exception]:
+    from sqlalchemy.exc import DBAPIError
+
+    def wrap(exc: Exception) -> Exception:
+        raw = conn.connection.driver_connection
+        disconnect = bool(raw.closed or raw.broken)
+        if disconnect:
+            conn.invalidate(exc)
+        return DBAPIError.instance(None, None, exc, psycopg.Error,
+                                   connection_invalidated=disconnect)
+    return wrap
+
+
+def sync_db(handle: Any) -> SyncDB:
+    """The psycopg connection under `handle`, ready to run statements."""
+    if isinstance(handle, SyncDB):
+        return handle
+    if isinstance(handle, psycopg.Connection):
+        return SyncDB(handle)
+    module = type(handle).__module__
+    if module.startswith("sqlalchemy"):
+        from sqlalchemy import Connection
+        from sqlalchemy.orm import Session, scoped_session
+
+        if isinstance(handle, Connection):
+            return _sqlalchemy_sync(handle)
+        if isinstance(handle, scoped_session):
+            handle = handle()
+        if isinstance(handle, Session):
+            return _sqlalchemy_sync(handle.connection())
+    if module.startswith("django.") and getattr(handle, "vendor", None) == "postgresql":
+        handle.ensure_connection()
+        raw = handle.connection
+        if not isinstance(raw, psycopg.Connection):
+            raise TypeError("outbox needs Django's psycopg 3 backend")
+        return SyncDB(raw)
+    if isinstance(handle, psycopg.AsyncConnection) or module.startswith(
+            "sqlalchemy.ext.asyncio"):
+        raise TypeError(f"{type(handle).__name__} is async: use the a-prefixed function "
+                        "(aenqueue, guard.arun, ...) and await it")
+    raise TypeError(f"cannot run outbox statements on a {type(handle).__name__}: pass a "
+                    "psycopg 3 connection, a SQLAlchemy Connection or Session, or "
+                    "Django's connection")
+
+
+# -- async -----------------------------------------------------------------------------
+
+
+class AsyncDB:
+    """Runs statements on one psycopg AsyncConnection, in its current transaction."""
+
+    __slots__ = ("conn", "wrap")
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any],
+                 wrap: Callable[[Exception], Exception] | None = None) -> None:
+        self.conn = conn
+        self.wrap = wrap
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any] | None = None
+                      ) -> Result:
+        try:
+            async with self.conn.cursor(row_factory=namedtuple_row) as cur:
+                await cur.execute(statement.sql, params)
+                rows = await cur.fetchall() if cur.description is not None else []
+                return Result(rows, cur.rowcount)
+        except psycopg.Error as exc:
+            if self.wrap is None:
+                raise
+            raise self.wrap(exc) from exc
+
+
+async def async_db(handle: Any) -> AsyncDB:
+    """The psycopg AsyncConnection under `handle` (SQLAlchemy async handles included)."""
+    if isinstance(handle, AsyncDB):
+        return handle
+    if isinstance(handle, psycopg.AsyncConnection):
+        return AsyncDB(handle)
+    if type(handle).__module__.startswith("sqlalchemy"):
+        from sqlalchemy.exc import DBAPIError
+        from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
+
+        if isinstance(handle, async_scoped_session):
+            handle = handle()
+        if isinstance(handle, AsyncSession):
+            handle = await handle.connection()
+        if isinstance(handle, AsyncConnection):
+            if not handle.in_transaction():
+                await handle.begin()
+            raw = (await handle.get_raw_connection()).driver_connection
+            if not isinstance(raw, psycopg.AsyncConnection):
+                raise TypeError("outbox needs the psycopg 3 driver (postgresql+psycopg://)")
+
+            def wrap(exc: Exception) -> Exception:
+                return DBAPIError.instance(None, None, exc, psycopg.Error)
+            return AsyncDB(raw, wrap)
+    raise TypeError(f"cannot run outbox statements on a {type(handle).__name__} from async "
+                    "code: pass a psycopg AsyncConnection, or a SQLAlchemy AsyncConnection "
+                    "or AsyncSession")
+
+
+# -- running a protocol written once for both ---------------------------------------------
+
+Flow = Any  # Generator[Query[Any], Any, T]: yields queries, receives their results
+
+
+def drive(handle: Any, flow: Flow) -> Any:
+    """Run a sans-IO flow (a generator of Query) synchronously on `handle`."""
+    db = sync_db(handle)
+    try:
+        query = next(flow)
+        while True:
+            try:
+                result = query.parse(db.execute(query.statement, query.params))
+            except BaseException as exc:
+                query = flow.throw(exc)
+                continue
+            query = flow.send(result)
+    except StopIteration as done:
+        return done.value
+
+
+async def adrive(handle: Any, flow: Flow) -> Any:
+    """Run the same flow on an async handle."""
+    db = await async_db(handle)
+    try:
+        query = next(flow)
+        while True:
+            try:
+                result = query.parse(await db.execute(query.statement, query.params))
+            except BaseException as exc:
+                query = flow.throw(exc)
+                continue
+            query = flow.send(result)
+    except StopIteration as done:
+        return done.value
+
+
+def rows(result: Result) -> list[Any]:
+    return result.rows
+
+
+def rowcount(result: Result) -> int:
+    return result.rowcount
+
+
+def first(result: Result) -> Any | None:
+    return result.first()
+
+
+def scalar(result: Result) -> Any:
+    return result.scalar()
+
+
+def nothing(result: Result) -> None:
+    return None
+
