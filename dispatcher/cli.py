@@ -1,4 +1,4 @@
-"""The `outbox` command: migrate, worker, status, trace, retry, cancel, purge, demo.
+"""The `outbox` command: migrate, worker, status, trace, retry, cancel, purge, demo, ui.
 
 It lives in `dispatcher` because `outbox worker` runs the dispatcher, and the
 `outbox` package must not import `dispatcher`. Errors are one line on stderr; exit
@@ -235,6 +235,28 @@ def cmd_example_api(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    """The web console (outbox/console/): loopback only unless a token guards it."""
+    import uvicorn
+
+    from outbox.console import create_console_app
+    from outbox.console._security import is_loopback_host
+
+    token = args.token or os.environ.get("OUTBOX_UI_TOKEN") or None
+    if not is_loopback_host(args.host) and not token:
+        raise UsageError(f"refusing to serve the console on {args.host} without a token "
+                         "(--token or OUTBOX_UI_TOKEN); the default is 127.0.0.1")
+    if token is not None and len(token) < 16:
+        print("outbox ui: warning: a token shorter than 16 characters is easy to guess",
+              file=sys.stderr)
+    app = create_console_app(_engine("ui"), token=token)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"outbox ui: http://{shown}:{args.port}/" + ("  (token required)" if token else ""),
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run a benchmark script from a source checkout; it prints JSON lines."""
     import subprocess
@@ -310,6 +332,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--host", default="127.0.0.1")
     e.add_argument("--port", type=int, default=8000)
     e.set_defaults(fn=cmd_example_api)
+
+    u = sub.add_parser("ui", help="the web console (loopback unless a token is given)")
+    u.add_argument("--host", default="127.0.0.1",
+                   help="bind address (127.0.0.1); any other needs a token")
+    u.add_argument("--port", type=int, default=8080)
+    u.add_argument("--token", default=None,
+                   help="required on every request (default $OUTBOX_UI_TOKEN)")
+    u.set_defaults(fn=cmd_ui)
 
     b = sub.add_parser("bench", help="run a benchmark (guard, dispatch, inbox); prints JSON")
     b.add_argument("which", choices=("guard", "dispatch", "inbox"))
