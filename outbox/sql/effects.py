@@ -8,6 +8,7 @@ our own SQLAlchemy connections (CLI, console) and stay SQLAlchemy `text()` for n
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -21,21 +22,21 @@ _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 # The doorbell rides in the same statement: `bell` NOTIFYs each queue that got a new
 # row (PostgreSQL delivers it only if the transaction commits, and folds repeats), and
 # the one-time filter on it makes the planner run it once. One round trip per enqueue.
+# The rows travel as ONE jsonb parameter (`jsonb_to_recordset`), not nine arrays:
+# dumping parallel arrays cost ~200 µs of client CPU per enqueue in psycopg, a JSON
+# string built by the C encoder a few µs; payloads ride in it as JSON, not as text.
 _INSERT_EFFECTS = sql(
     f"""
     WITH ins AS (
         INSERT INTO outbox.effects
                (effect_key, kind, payload, headers, ordering_key, queue, max_attempts,
                 available_at, retry_until)
-        SELECT k, kind, CAST(p AS jsonb), CAST(h AS jsonb), ok, q, m,
-               {_NOW} + make_interval(secs => d),
-               CASE WHEN ru IS NULL THEN NULL ELSE {_NOW} + make_interval(secs => ru) END
-          FROM unnest(CAST(:keys AS text[]), CAST(:kinds AS text[]),
-                      CAST(:payloads AS text[]), CAST(:headers AS text[]),
-                      CAST(:ordering_keys AS text[]), CAST(:queues AS text[]),
-                      CAST(:max_attempts AS int[]), CAST(:delays AS float8[]),
-                      CAST(:retry_for AS float8[]))
-               AS t(k, kind, p, h, ok, q, m, d, ru)
+        SELECT t.k, t.kind, t.p, CAST(:headers AS jsonb), t.ok, t.q, t.m,
+               {_NOW} + make_interval(secs => t.d),
+               CASE WHEN t.ru IS NULL THEN NULL
+                    ELSE {_NOW} + make_interval(secs => t.ru) END
+          FROM jsonb_to_recordset(CAST(:rows AS jsonb))
+               AS t(k text, kind text, p jsonb, ok text, q text, m int, d float8, ru float8)
         ON CONFLICT (effect_key) DO NOTHING
         RETURNING id, effect_key, queue
     ), bell AS (
@@ -46,26 +47,26 @@ _INSERT_EFFECTS = sql(
 )
 
 
+def _rows_json(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as one JSON array; each payload (already JSON text) spliced in as is."""
+    parts = []
+    for r in rows:
+        head = json.dumps({"k": r["key"], "kind": r["kind"], "ok": r["ordering_key"],
+                           "q": r["queue"], "m": r["max_attempts"], "d": r["delay"],
+                           "ru": r["retry_for"]}, separators=(",", ":"))
+        parts.append(f'{head[:-1]},"p":{r["payload"]}}}')
+    return "[" + ",".join(parts) + "]"
+
+
 def insert_effects(rows: Sequence[dict[str, Any]], channel: str,
                    now: datetime | None = None) -> Query[dict[str, int]]:
     """Insert effects and ring `channel` in one statement; {effect_key: id} of new rows.
 
-    Each row: key, kind, payload (JSON text), headers (JSON text), ordering_key, queue,
-    max_attempts, delay (seconds), retry_for (seconds or None).
+    Each row: key, kind, payload (JSON text), headers (JSON text, the same for every
+    row of one call), ordering_key, queue, max_attempts, delay (s), retry_for (s|None).
     """
-    params = {
-        "keys": [r["key"] for r in rows],
-        "kinds": [r["kind"] for r in rows],
-        "payloads": [r["payload"] for r in rows],
-        "headers": [r["headers"] for r in rows],
-        "ordering_keys": [r["ordering_key"] for r in rows],
-        "queues": [r["queue"] for r in rows],
-        "max_attempts": [r["max_attempts"] for r in rows],
-        "delays": [r["delay"] for r in rows],
-        "retry_for": [r["retry_for"] for r in rows],
-        "channel": channel,
-        "now": now,
-    }
+    params = {"rows": _rows_json(rows), "headers": rows[0]["headers"] if rows else "{}",
+              "channel": channel, "now": now}
     return Query(_INSERT_EFFECTS, params, _ids_by_key)
 
 
