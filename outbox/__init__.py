@@ -10,8 +10,17 @@ from outbox._canonical import (
     parse_idempotency_key,
     parse_json_body,
 )
-from outbox._config import bound_calls, database_url, make_engine
-from outbox._enqueue import Effect, Enqueued, add_doorbell, enqueue, enqueue_many, remove_doorbell
+from outbox._config import bound_calls, database_url, libpq_dsn, make_engine
+from outbox._enqueue import (
+    Effect,
+    Enqueued,
+    add_doorbell,
+    aenqueue,
+    aenqueue_many,
+    enqueue,
+    enqueue_many,
+    remove_doorbell,
+)
 from outbox._idempotency import Claim, IdempotencyGuard, Result, StoredResponse
 from outbox._inbox import (
     Inbox,
@@ -53,6 +62,8 @@ __all__ = [
     "StripeSignature",
     "WebhookSources",
     "add_doorbell",
+    "aenqueue",
+    "aenqueue_many",
     "bound_calls",
     "canonical_json",
     "database_url",
@@ -61,6 +72,7 @@ __all__ = [
     "fingerprint",
     "ingest",
     "ingest_many",
+    "libpq_dsn",
     "make_engine",
     "mark_processed",
     "parse_event",

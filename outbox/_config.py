@@ -40,6 +40,12 @@ def database_url(*, embedded: bool = True) -> str:
     return _embedded.start()
 
 
+def libpq_dsn(url: str | None = None) -> str:
+    """`DATABASE_URL` (or the embedded server) as a libpq URL for `psycopg.connect`."""
+    parsed = make_url(normalize_url(url or database_url())).set(drivername="postgresql")
+    return parsed.render_as_string(hide_password=False)
+
+
 def make_engine(url: str | None = None, *, application_name: str = "outbox",
                 call_timeout: float | None = DEFAULT_CALL_TIMEOUT, **kwargs: Any) -> Engine:
     """A psycopg 3 engine whose sessions say who they are in `pg_stat_activity`.
