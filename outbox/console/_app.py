@@ -167,7 +167,7 @@ async def read_form(request: Request) -> dict[str, list[str]]:
     """An urlencoded POST body (no multipart: the console's forms need none)."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/x-www-form-urlencoded":
-        raise Problem(415, "Unsupported form", "send application/x-www-form-urlencoded")
+        return {}  # no form, so no CSRF field: refused as such (403)
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
         raise Problem(413, "Form too large")
@@ -389,20 +389,24 @@ def _confirm_or_do(console: Console, request: Request, actor: str, action: str) 
 
     if console.read_only:
         raise Problem(403, "Read-only console", "Actions are disabled here.")
-    with console.engine.connect() as conn:
-        row = _load_effect(conn, request)
-        if request.method == "GET":
+    if request.method == "GET":
+        with console.reader() as conn:
+            row = _load_effect(conn, request)
             now = cq.database_now(conn).now
-            return views.page(console, request, f"{action.title()} effect #{row.id}",
-                              views.confirm_effect_action(console, request, row, action, now),
-                              active="effects")
-        with conn.begin():
-            changed = (fx.requeue(conn, [row.id]) if action == "retry"
-                       else fx.cancel(conn, [row.id]))
-            outcome = "done" if changed else "refused"
-            cq.record_action(conn, actor=actor, action=action, effect_ids=changed,
-                             request=json.dumps({"ids": [row.id], "status_seen": row.status}),
-                             outcome=outcome)
+        return views.page(console, request, f"{action.title()} effect #{row.id}",
+                          views.confirm_effect_action(console, request, row, action, now),
+                          active="effects")
+    # The change and its audit row commit together; the statements are the CLI's,
+    # fenced by status, so a row that moved since the confirmation page is left alone.
+    with console.engine.begin() as conn:
+        cq.set_local_statement_timeout(conn, console.statement_timeout_ms)
+        row = _load_effect(conn, request)
+        changed = (fx.requeue(conn, [row.id]) if action == "retry"
+                   else fx.cancel(conn, [row.id]))
+        outcome = "done" if changed else "refused"
+        cq.record_action(conn, actor=actor, action=action, effect_ids=changed,
+                         request=json.dumps({"ids": [row.id], "status_seen": row.status}),
+                         outcome=outcome)
     if not changed:
         why = ("only failed, parked (needs review) or cancelled effects can be retried"
                if action == "retry" else
@@ -441,7 +445,7 @@ def redrive(console: Console, request: Request, actor: str) -> Response:
     limit = parse_id(first(form, "limit"), "limit")
     if not 1 <= limit <= console.bulk_cap:
         raise Problem(400, "Bad limit", f"between 1 and {console.bulk_cap}")
-    with console.engine.connect() as conn, conn.begin():
+    with console.engine.begin() as conn:
         cq.set_local_statement_timeout(conn, console.statement_timeout_ms * 6)
         changed = cq.redrive_dead_letters(conn, f, max_id=max_id, limit=limit,
                                           bytewise_keys=console.bytewise(conn))
