@@ -30,7 +30,11 @@ silent second execution.
 Replays contain exactly the headers in `stored_headers` (content-type, location, ...).
 Both the first answer and every replay are built from the stored form, so a retry
 sees what the first caller saw. The first caller's other headers (e.g. Set-Cookie)
-are dropped: they are per-caller and must not be replayed to someone else.
+are dropped: they are per-caller and must not be replayed to someone else. Some are
+never stored whatever the configuration says (`DENIED_STORED_HEADERS`: Set-Cookie,
+WWW-Authenticate, Authentication-Info, every `Proxy-*`, the hop-by-hop and framing
+headers); naming one in `stored_headers` is a `ConfigurationError` at construction,
+never a silent drop, and headers a response names in its `Connection` are not stored.
 
 Cap on the cached response (B28): bodies above `max_stored_body` (1 MiB by default)
 are sent to the first caller in full, but the key stores the status and headers with
@@ -40,6 +44,14 @@ The work is committed either way, so a retry still never executes it twice; it i
 told to fetch the resource instead. Storing a truncated body would replay corrupt
 JSON, and refusing the work would turn a success into an error.
 
+Responses that carry secrets (an API key shown once, a card token): `store_body=False`
+keeps no body of that endpoint at rest, and `store_body=unless_no_store` (or any
+predicate) decides per response, here from the response's own `Cache-Control:
+no-store`. The first caller gets the full response; the key stores the same stand-in
+as above (status, `Location`, `response_not_stored`, `Idempotent-Replay-Omitted:
+body`, no size), so a replay tells the client to fetch the resource. An empty body
+(204) has nothing to withhold and is stored as is.
+
 Errors raised by `work` roll the transaction back and are not stored (validation
 failures are never cached); a response `work` returns, 4xx included, is stored.
 """
@@ -47,6 +59,7 @@ failures are never cached); a response `work` returns, 4xx included, is stored.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -68,6 +81,7 @@ from outbox._canonical import DEFAULT_MAX_BODY, fingerprint, parse_idempotency_k
 from outbox._idempotency import Claim, IdempotencyGuard, Mode, StoredResponse
 from outbox.errors import (
     ClaimLost,
+    ConfigurationError,
     IdempotencyConflict,
     InvalidInput,
     InvalidRequestBody,
@@ -81,6 +95,7 @@ from outbox.errors import (
 __all__ = [
     "DEFAULT_MAX_STORED_BODY",
     "DEFAULT_STORED_HEADERS",
+    "DENIED_STORED_HEADERS",
     "OMITTED_HEADER",
     "PROBLEM_MEDIA_TYPE",
     "REPLAYED_HEADER",
@@ -103,6 +118,7 @@ __all__ = [
     "shared_scope",
     "tenant_scope",
     "to_response",
+    "unless_no_store",
 ]
 
 M = TypeVar("M")
@@ -115,6 +131,17 @@ DEFAULT_STORED_HEADERS: tuple[str, ...] = (
     "content-type", "content-language", "content-location", "location", "etag",
     "last-modified", "link", "cache-control",
 )
+#: Never stored or replayed, and refused in `stored_headers` (a ConfigurationError, not
+#: a silent drop): per-caller credentials and challenges, which replayed would hand one
+#: client's session to another; hop-by-hop headers (RFC 9110 §7.6.1), which belong to
+#: one connection; framing, recomputed for every answer; and the library's own
+#: replay markers. Every `proxy-*` header is refused too (`_denied_reason`).
+DENIED_STORED_HEADERS: frozenset[str] = frozenset({
+    "set-cookie", "set-cookie2", "www-authenticate", "authentication-info",
+    "connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade",
+    "content-length", REPLAYED_HEADER.lower(), OMITTED_HEADER.lower(),
+})
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")  # an RFC 9110 token, lowercased
 # A tag URI (RFC 4151) is absolute without pretending a web page exists at it; clients
 # must not dereference problem types anyway (RFC 9457 §3.1.1). `code` carries the same.
 PROBLEM_TYPE_BASE = "tag:pg-outbox,2025:problem:"
@@ -444,6 +471,57 @@ def problem_openapi(description: str) -> dict[str, Any]:
 # -- the dependency -------------------------------------------------------------------
 
 Work = Callable[[Connection, Claim], "Response | StoredResponse"]
+#: Whether a response's body may be kept for replays; called with everything `work`
+#: returned (status, all its headers, body).
+StoreBody = Callable[[StoredResponse], bool]
+
+
+def _denied_reason(name: str) -> str | None:
+    """Why a (lowercased) header must never be stored, or None."""
+    if name in ("set-cookie", "set-cookie2", "www-authenticate", "authentication-info"):
+        return "it belongs to one caller's session or credentials"
+    if name.startswith("proxy-"):
+        return "Proxy-* headers belong to one caller and one hop"
+    if name in (REPLAYED_HEADER.lower(), OMITTED_HEADER.lower()):
+        return "the library sets it on every answer"
+    if name in DENIED_STORED_HEADERS:
+        return "hop-by-hop and framing headers belong to one connection"
+    return None
+
+
+def _checked_stored_headers(names: Iterable[str]) -> frozenset[str]:
+    """`names` lowercased, or a ConfigurationError naming every header refused."""
+    if isinstance(names, str):
+        raise ConfigurationError("stored_headers takes a list of header names, not one string")
+    kept: set[str] = set()
+    refused: list[str] = []
+    for raw in names:
+        name = raw.strip().lower() if isinstance(raw, str) else ""
+        if not _HEADER_NAME.match(name):
+            raise ConfigurationError(f"stored_headers: {raw!r} is not a header name")
+        reason = _denied_reason(name)
+        if reason is not None:
+            refused.append(f"{name} ({reason})")
+        kept.add(name)
+    if refused:
+        raise ConfigurationError(
+            "stored_headers: never stored or replayed to another caller, remove "
+            + "; ".join(sorted(refused)))
+    return frozenset(kept)
+
+
+def unless_no_store(response: StoredResponse) -> bool:
+    """`store_body=` policy: keep the body unless the response says `Cache-Control: no-store`.
+
+    Lets one endpoint decide per answer: the response that reveals a secret marks
+    itself `no-store` (which also keeps it out of HTTP caches) and is not kept at rest.
+    """
+    for name, value in response.headers:
+        if name.lower() == "cache-control" and any(
+                d.strip().split("=", 1)[0].strip().lower() == "no-store"
+                for d in value.split(",")):
+            return False
+    return True
 
 
 class Idempotency(Generic[M]):
@@ -467,6 +545,7 @@ class Idempotency(Generic[M]):
         max_stored_body: int = DEFAULT_MAX_STORED_BODY,
         stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
         fingerprint_headers: Iterable[str] = (),
+        store_body: bool | StoreBody = True,
     ) -> None:
         self.model = model
         self.adapter: TypeAdapter[M] = TypeAdapter(model)
@@ -476,10 +555,20 @@ class Idempotency(Generic[M]):
         self.scope = scope
         self.max_body = max_body
         self.max_stored_body = max_stored_body
-        # Framing headers are recomputed for every answer, never replayed.
-        self.stored_headers = frozenset(h.lower() for h in stored_headers) - {
-            "content-length", "transfer-encoding", "connection"}
+        self._stored_headers = _checked_stored_headers(stored_headers)
+        if not isinstance(store_body, bool) and not callable(store_body):
+            raise ConfigurationError("store_body takes True, False or a predicate")
+        self.store_body = store_body
         self.fingerprint_headers = tuple(h.lower() for h in fingerprint_headers)
+
+    @property
+    def stored_headers(self) -> frozenset[str]:
+        """The headers kept for replays (lowercase); never one of DENIED_STORED_HEADERS."""
+        return self._stored_headers
+
+    @stored_headers.setter
+    def stored_headers(self, names: Iterable[str]) -> None:
+        self._stored_headers = _checked_stored_headers(names)
 
     async def __call__(self, request: Request) -> IdempotentRequest[M]:
         """Validate everything a client can get wrong; no database work happens here."""
@@ -562,24 +651,52 @@ class Idempotency(Generic[M]):
         if not isinstance(body, bytes):
             raise TypeError("idempotent work must return a Response with a body "
                             "(not a streaming response) or a StoredResponse")
+        # Headers the response itself declares hop-by-hop (RFC 9110 §7.6.1).
+        hop = {t.strip().lower() for v in response.headers.getlist("connection")
+               for t in v.split(",")}
         headers = tuple((k, v) for k, v in response.headers.items()
-                        if k in self.stored_headers)
+                        if k in self.stored_headers and k not in hop)
         return StoredResponse(response.status_code, headers, body)
 
-    def replayable(self, full: StoredResponse) -> StoredResponse:
-        """`full` itself, or the documented stand-in when its body exceeds the cap."""
+    def keeps_body(self, response: Response | StoredResponse) -> bool:
+        """Whether `store_body` lets this response's body be kept at rest for replays."""
+        if isinstance(self.store_body, bool):
+            return self.store_body
+        if isinstance(response, StoredResponse):
+            whole = StoredResponse(response.status,
+                                   tuple((k.lower(), v) for k, v in response.headers),
+                                   response.body)
+        else:
+            body = getattr(response, "body", b"")
+            whole = StoredResponse(response.status_code, tuple(response.headers.items()),
+                                   body if isinstance(body, bytes) else b"")
+        return bool(self.store_body(whole))
+
+    def replayable(self, full: StoredResponse, *, keep_body: bool = True) -> StoredResponse:
+        """`full` itself, or the documented stand-in when its body is withheld or too big."""
+        if not keep_body and full.body:
+            return self._stand_in(
+                full, f"the request was processed with status {full.status}; its response "
+                "body is not kept for replays (it may carry secrets), fetch the resource "
+                "instead")
         if len(full.body) <= self.max_stored_body:
             return full
+        return self._stand_in(
+            full, f"the request succeeded with status {full.status}, but its "
+            f"{len(full.body)}-byte response exceeds the {self.max_stored_body}-byte "
+            "replay limit; fetch the resource instead", original_size=len(full.body))
+
+    @staticmethod
+    def _stand_in(full: StoredResponse, detail: str, **members: Any) -> StoredResponse:
+        """What a replay gets instead of the body: status, kept headers, a problem note."""
         note = {
             "type": problem_type("response_not_stored"),
             "title": "Response not stored",
             "status": full.status,
-            "detail": f"the request succeeded with status {full.status}, but its "
-                      f"{len(full.body)}-byte response exceeds the {self.max_stored_body}"
-                      "-byte replay limit; fetch the resource instead",
+            "detail": detail,
             "code": "response_not_stored",
             "original_status": full.status,
-            "original_size": len(full.body),
+            **members,
         }
         headers = tuple((k, v) for k, v in full.headers if k != "content-type")
         return StoredResponse(
@@ -642,7 +759,7 @@ class IdempotentRequest(Generic[M]):
             original = work(conn, claim)
             full = cfg.to_stored(original)
             sent[:] = [(full, original)]
-            return cfg.replayable(full)
+            return cfg.replayable(full, keep_body=cfg.keeps_body(original))
 
         try:
             result = cfg.guard.run(self.engine, self.scope, self.key, self.fingerprint,
