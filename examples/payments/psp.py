@@ -26,7 +26,13 @@ cleanly on SIGTERM or SIGINT.
 HTTP interface: ``POST /<any path>`` is a delivery (JSON body, ``Idempotency-Key``
 header). Control: ``POST /_control`` (add a rule, or ``{"mode": "normal"}`` to clear),
 ``GET``/``DELETE /_control``, ``GET /_stats``, ``GET /_ledger[?key=K]``, ``GET /_applied``,
-``POST /_reset``, ``GET /_health``.
+``POST /_reset``; and ``GET /_health``.
+
+The control endpoints answer loopback peers only (403 for anyone else): they can make
+every charge fail, wipe the ledger or list every key, so listening on ``0.0.0.0`` (as in
+docker-compose) exposes deliveries and ``/_health``, never control. Inside a container,
+``docker compose exec psp python -c "..."`` on 127.0.0.1 still reaches them;
+``--remote-control`` opens them to every peer, for a private test network only.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import ipaddress
 import json
 import os
 import queue
@@ -580,8 +587,10 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256  # 50 clients connecting at once must not hit SYN retries
 
-    def __init__(self, address: tuple[str, int], ledger: Ledger) -> None:
+    def __init__(self, address: tuple[str, int], ledger: Ledger, *,
+                 remote_control: bool = False) -> None:
         self.ledger = ledger
+        self.remote_control = remote_control
         self.stopping = threading.Event()
         self.connections: set[socket.socket] = set()
         self.conn_lock = threading.Lock()
@@ -691,9 +700,27 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- routing
 
+    def _control_refused(self, path: str) -> bool:
+        """Answer 403 to a control request from a non-loopback peer (see the module doc)."""
+        if not path.startswith("/_") or path == "/_health" or self.srv.remote_control:
+            return False
+        try:
+            peer = ipaddress.ip_address(str(self.client_address[0]).split("%", 1)[0])
+        except ValueError:
+            peer = None
+        if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+            peer = peer.ipv4_mapped
+        if peer is not None and peer.is_loopback:
+            return False
+        self._send_json(403, {"error": "forbidden",
+                              "message": "control endpoints answer loopback clients only"})
+        return True
+
     def do_GET(self) -> None:
         url = urlsplit(self.path)
         ledger = self.srv.ledger
+        if self._control_refused(url.path):
+            return
         if url.path == "/_stats":
             self._send_json(200, ledger.stats())
         elif url.path == "/_ledger":
@@ -709,6 +736,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(404, {"error": "not_found"})
 
     def do_DELETE(self) -> None:
+        if self._control_refused(urlsplit(self.path).path):
+            return
         if urlsplit(self.path).path == "/_control":
             self.srv.ledger.clear_rules()
             self._send_json(200, {"rules": []})
@@ -721,6 +750,8 @@ class _Handler(BaseHTTPRequestHandler):
         if body is None:
             self.close_connection = True
             self._send_json(400, {"error": "bad_request", "message": "bad Content-Length"})
+        elif self._control_refused(path):
+            return
         elif path == "/_control":
             self._control(body)
         elif path == "/_reset":
@@ -919,11 +950,13 @@ class Receiver(ReceiverClient):
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
-                 db: str | os.PathLike[str] | None = None) -> None:
+                 db: str | os.PathLike[str] | None = None,
+                 remote_control: bool = False) -> None:
         super().__init__("http://unstarted")
         self.host = host
         self.port = port
         self.db = db
+        self.remote_control = remote_control
         self._ledger: Ledger | None = None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -939,7 +972,8 @@ class Receiver(ReceiverClient):
         """Listen (port 0 picks a free one) and serve on a daemon thread."""
         if self._server is not None:
             return self
-        self._server = _Server((self.host, self.port), self.ledger_store)
+        self._server = _Server((self.host, self.port), self.ledger_store,
+                               remote_control=self.remote_control)
         host, port = self._server.server_address[:2]
         self._url = f"http://{_url_host(str(host))}:{port}"
         self._thread = threading.Thread(target=self._server.serve_forever,
@@ -1112,10 +1146,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--db", default=None,
                         help="SQLite file shared by receivers (default: in memory)")
+    parser.add_argument("--remote-control", action="store_true",
+                        help="answer /_control, /_stats, /_ledger, /_applied and /_reset "
+                             "from any peer, not only loopback (private test networks only)")
     args = parser.parse_args(argv)
 
     try:
-        receiver = Receiver(args.host, args.port, db=args.db).start()
+        receiver = Receiver(args.host, args.port, db=args.db,
+                            remote_control=args.remote_control).start()
     except (OSError, sqlite3.Error) as exc:
         print(f"psp: cannot start: {exc}", file=sys.stderr)
         return 1
