@@ -84,7 +84,7 @@ class Console:
 
     def reader(self) -> Connection:
         conn = self.engine.connect()
-        cq.set_local_statement_timeout(conn, self.statement_timeout_ms)
+        cq.configure_console_transaction(conn, self.statement_timeout_ms)
         return conn
 
 
@@ -399,7 +399,7 @@ def _confirm_or_do(console: Console, request: Request, actor: str, action: str) 
     # The change and its audit row commit together; the statements are the CLI's,
     # fenced by status, so a row that moved since the confirmation page is left alone.
     with console.engine.begin() as conn:
-        cq.set_local_statement_timeout(conn, console.statement_timeout_ms)
+        cq.configure_console_transaction(conn, console.statement_timeout_ms)
         row = _load_effect(conn, request)
         changed = (fx.requeue(conn, [row.id]) if action == "retry"
                    else fx.cancel(conn, [row.id]))
@@ -446,7 +446,7 @@ def redrive(console: Console, request: Request, actor: str) -> Response:
     if not 1 <= limit <= console.bulk_cap:
         raise Problem(400, "Bad limit", f"between 1 and {console.bulk_cap}")
     with console.engine.begin() as conn:
-        cq.set_local_statement_timeout(conn, console.statement_timeout_ms * 6)
+        cq.configure_console_transaction(conn, console.statement_timeout_ms * 6)
         changed = cq.redrive_dead_letters(conn, f, max_id=max_id, limit=limit,
                                           bytewise_keys=console.bytewise(conn))
         request_doc = {"filter": dict(filter_query(f, form)), "statuses": ["failed"],

@@ -135,7 +135,7 @@ def overview_live(console: Console, request: Request) -> Markup:
 
     conn = console.engine.connect().execution_options(isolation_level="REPEATABLE READ")
     with conn:
-        cq.set_local_statement_timeout(conn, console.statement_timeout_ms)
+        cq.configure_console_transaction(conn, console.statement_timeout_ms)
         clock = cq.database_now(conn)
         unfinished = cq.count_unfinished(conn)
         pending = cq.pending_by_queue(conn)

@@ -174,6 +174,20 @@ def effect_keys_sort_bytewise(conn: Connection) -> bool:
 
 _SET_STATEMENT_TIMEOUT = text("SELECT set_config('statement_timeout', :timeout, true)")
 
+# psycopg prepares a statement after a few runs, and PostgreSQL may then plan it once
+# for any parameters: a key-prefix range planned without its bounds, or a status
+# planned without knowing it is rare, would pick the wrong index. The console's
+# statements are cheap to plan; plan each for its own parameters.
+_CONFIGURE = text(
+    "SELECT set_config('statement_timeout', :timeout, true),"
+    " set_config('plan_cache_mode', 'force_custom_plan', true)"
+)
+
+
+def configure_console_transaction(conn: Connection, timeout_milliseconds: int) -> None:
+    """For the rest of this transaction: a statement timeout, and custom plans only."""
+    conn.execute(_CONFIGURE, {"timeout": f"{int(timeout_milliseconds)}ms"})
+
 
 def set_local_statement_timeout(conn: Connection, milliseconds: int) -> None:
     """Bound every statement of this transaction: a console page never runs away."""
