@@ -20,7 +20,7 @@ from outbox import _migrate
 from outbox._config import database_url, make_engine
 
 TABLES = ("attempts", "effects", "idempotency_keys", "inbox", "inbox_conflicts",
-          "entity_versions")
+          "entity_versions", "console_actions")
 
 
 @pytest.fixture(scope="session")
