@@ -229,6 +229,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_example_api(args: argparse.Namespace) -> int:
+    if args.framework == "django":  # the same routes and answers, in DRF (DESIGN §8)
+        from examples.payments.django_app.serve import serve as serve_django
+
+        serve_django(args.host, args.port)
+        return 0
     from examples.payments.app import serve
 
     serve(args.host, args.port)
@@ -331,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("example-api", help="run the example payments service")
     e.add_argument("--host", default="127.0.0.1")
     e.add_argument("--port", type=int, default=8000)
+    e.add_argument("--framework", choices=("fastapi", "django"),
+                   default=os.environ.get("OUTBOX_EXAMPLE_FRAMEWORK") or "fastapi",
+                   help="fastapi (default, or $OUTBOX_EXAMPLE_FRAMEWORK) or django (DRF)")
     e.set_defaults(fn=cmd_example_api)
 
     u = sub.add_parser("ui", help="the web console (loopback unless a token is given)")
