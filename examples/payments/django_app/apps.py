@@ -1,0 +1,10 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class PaymentsConfig(AppConfig):
+    name = "examples.payments.django_app"
+    label = "payments"
+    verbose_name = "Payments (example)"
+    default_auto_field = "django.db.models.BigAutoField"
