@@ -60,12 +60,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Generic, TypeVar, cast
 from urllib.parse import quote
 
+import psycopg
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
@@ -76,9 +77,18 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ExceptionHandler
+from tenacity import AsyncRetrying, Retrying
 
 from outbox._canonical import DEFAULT_MAX_BODY, fingerprint, parse_idempotency_key, parse_json_body
-from outbox._idempotency import Claim, IdempotencyGuard, Mode, StoredResponse
+from outbox._idempotency import (
+    Claim,
+    IdempotencyGuard,
+    Mode,
+    Result,
+    StoredResponse,
+    _retrying,
+    sqlstate,
+)
 from outbox.errors import (
     ClaimLost,
     ConfigurationError,
@@ -471,6 +481,8 @@ def problem_openapi(description: str) -> dict[str, Any]:
 # -- the dependency -------------------------------------------------------------------
 
 Work = Callable[[Connection, Claim], "Response | StoredResponse"]
+#: `arun_in`'s work: awaited with the caller's async handle (e.g. an AsyncSession).
+AsyncWork = Callable[[Any, Claim], Awaitable["Response | StoredResponse"]]
 #: Whether a response's body may be kept for replays; called with everything `work`
 #: returned (status, all its headers, body).
 StoreBody = Callable[[StoredResponse], bool]
@@ -715,18 +727,19 @@ def to_response(stored: StoredResponse, *, replayed: bool) -> Response:
     return response
 
 
-def _database_problem(exc: DBAPIError) -> Problem | None:
+def _database_problem(exc: DBAPIError | psycopg.Error) -> Problem | None:
     """Transient database failures become retryable answers; anything else stays a 500.
 
     A lock timeout or an exhausted serialization retry rolled back (409: retry, the
     key is free). A lost connection may have lost the COMMIT's answer (503: retry with
-    the same key; it resolves to a replay or to one execution).
+    the same key; it resolves to a replay or to one execution). SQLAlchemy's wrapped
+    errors and psycopg's own (a psycopg handle in `run_in`) alike.
     """
-    sqlstate = getattr(exc.orig, "sqlstate", None)
-    if sqlstate in ("55P03", "40001", "40P01"):
+    if sqlstate(exc) in ("55P03", "40001", "40P01"):
         return Problem(409, "the request collided with a concurrent one and was rolled "
                        "back; retry", code="transaction_conflict", headers={"Retry-After": "1"})
-    if isinstance(exc, OperationalError) or exc.connection_invalidated:
+    if isinstance(exc, OperationalError | psycopg.OperationalError) or (
+            isinstance(exc, DBAPIError) and exc.connection_invalidated):
         return Problem(503, "the database is unavailable; the outcome is unknown, retry "
                        "with the same Idempotency-Key", code="outcome_unknown",
                        headers={"Retry-After": "1"})
@@ -782,3 +795,91 @@ class IdempotentRequest(Generic[M]):
     async def arun(self, work: Work) -> Response:
         """`run` in a worker thread, for `async def` endpoints."""
         return await run_in_threadpool(self.run, work)
+
+    # -- in the application's own transaction (atomic mode) ---------------------------
+
+    def _finish(self, result: Result,
+                sent: list[tuple[StoredResponse, Response | StoredResponse]]) -> Response:
+        if result.replayed or not sent:
+            return to_response(result.response, replayed=result.replayed)
+        full, original = sent[0]
+        response = to_response(full, replayed=False)
+        if isinstance(original, Response):
+            response.background = original.background
+        return response
+
+    def _problem(self, exc: Exception) -> Exception:
+        if isinstance(exc, IdempotencyConflict):
+            return Problem.from_error(exc)
+        if isinstance(exc, DBAPIError | psycopg.Error):
+            return _database_problem(exc) or exc
+        return exc
+
+    def run_in(self, handle: Any, work: Work) -> Response:
+        """Run `work(handle, claim)` at most once, in YOUR session or connection.
+
+        `handle` is the application's own `Session` / `Connection` / psycopg
+        `Connection` (FastAPI dependency injection as usual): the key, the business
+        rows and the effects commit together in its transaction, which this method
+        commits before answering (an answer sent before the commit could promise a
+        payment that then rolls back). Atomic mode; serialization failures and
+        deadlocks roll back and run again (5 tries).
+        """
+        cfg = self.config
+        sent: list[tuple[StoredResponse, Response | StoredResponse]] = []
+        try:
+            for attempt in Retrying(**_retrying()):
+                with attempt:
+                    try:
+                        begun = cfg.guard.begin(handle, self.scope, self.key,
+                                                self.fingerprint)
+                        if isinstance(begun, StoredResponse):
+                            handle.commit()
+                            return self._finish(Result(begun, replayed=True), sent)
+                        original = work(handle, begun)
+                        full = cfg.to_stored(original)
+                        stored = cfg.replayable(full, keep_body=cfg.keeps_body(original))
+                        cfg.guard.complete(handle, begun, stored)
+                        handle.commit()
+                    except BaseException:
+                        handle.rollback()
+                        raise
+                    sent[:] = [(full, original)]
+                    return self._finish(Result(stored, replayed=False), sent)
+        except Exception as exc:
+            mapped = self._problem(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def arun_in(self, handle: Any, work: AsyncWork) -> Response:
+        """`run_in` for `async def` endpoints: the app's `AsyncSession`, SQLAlchemy
+        `AsyncConnection` or psycopg `AsyncConnection`; `work` is awaited."""
+        cfg = self.config
+        sent: list[tuple[StoredResponse, Response | StoredResponse]] = []
+        try:
+            async for attempt in AsyncRetrying(**_retrying()):
+                with attempt:
+                    try:
+                        begun = await cfg.guard.abegin(handle, self.scope, self.key,
+                                                       self.fingerprint)
+                        if isinstance(begun, StoredResponse):
+                            await handle.commit()
+                            return self._finish(Result(begun, replayed=True), sent)
+                        original = await work(handle, begun)
+                        full = cfg.to_stored(original)
+                        stored = cfg.replayable(full, keep_body=cfg.keeps_body(original))
+                        await cfg.guard.acomplete(handle, begun, stored)
+                        await handle.commit()
+                    except BaseException:
+                        await handle.rollback()
+                        raise
+                    sent[:] = [(full, original)]
+                    return self._finish(Result(stored, replayed=False), sent)
+        except Exception as exc:
+            mapped = self._problem(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        raise AssertionError("unreachable")  # pragma: no cover
