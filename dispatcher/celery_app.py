@@ -31,6 +31,7 @@ from dispatcher.handlers import load_registry
 from dispatcher.metrics import configure_metrics, register_queue_gauges
 from dispatcher.worker import sweep as sweep_leases
 from outbox._config import database_url, make_engine
+from outbox._connections import DEFAULT_WORKER_CALL_TIMEOUT
 from outbox._enqueue import add_doorbell
 from outbox.sql import dispatch as sql
 from outbox.telemetry_setup import configure as configure_traces
@@ -91,7 +92,8 @@ def dispatcher_for(queue: str) -> Dispatcher:
         found = _dispatchers.get(key)
         if found is None:
             engine = make_engine(application_name="outbox-celery", pool_size=2,
-                                 max_overflow=2, pool_pre_ping=False)  # see cmd_worker
+                                 max_overflow=2, pool_pre_ping=False,  # see cmd_worker
+                                 call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
             configure_traces("outbox-celery")  # after the prefork fork: our own SDK
             configure_metrics("outbox-celery")
             register_queue_gauges(engine)

@@ -208,6 +208,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from dispatcher.handlers import load_registry
     from dispatcher.metrics import configure_metrics, register_queue_gauges
     from dispatcher.worker import run_worker
+    from outbox._connections import DEFAULT_WORKER_CALL_TIMEOUT
     from outbox.telemetry_setup import configure
 
     configure("outbox-worker")
@@ -217,9 +218,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     registry = load_registry(args.handlers)
     # No pre-ping: every dispatcher statement already retries on a dead connection
-    # (dispatcher/_core.py _db_retry), and the ping costs a round trip per statement.
+    # (dispatcher/_core.py _db_retry), and the ping costs a round trip per statement;
+    # a pooled connection idle longer than the call timeout is still pinged. The call
+    # timeout is the workers' own, tighter one (docs/network.md).
     engine = make_engine(application_name=args.name or "outbox-worker",
-                         pool_size=2, max_overflow=2, pool_pre_ping=False)
+                         pool_size=2, max_overflow=2, pool_pre_ping=False,
+                         call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
     register_queue_gauges(engine)
     dispatcher = Dispatcher(engine, registry, queue=args.queue, concurrency=args.concurrency,
                             lease=args.lease)

@@ -4,11 +4,18 @@ NOTIFY is sent inside the enqueueing transaction, so PostgreSQL delivers it only
 commit; polling every `poll_interval` seconds covers missed notifications, scheduled
 retries and expired leases. SIGTERM/SIGINT stop claiming, let in-flight deliveries
 finish within `grace`, and release the rest so another worker takes them at once.
+
+The LISTEN connection is idle by design, so no bounded call on it ever expires: a
+connection gone silent (failover, NAT idle timeout) would just stop ringing. The
+listener probes it every `OUTBOX_LISTEN_PROBE_INTERVAL` seconds (one bounded round
+trip) and reconnects with backoff when the probe fails; the worker polls meanwhile, so
+a lost doorbell costs at most one poll interval (docs/network.md).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -18,10 +25,15 @@ import psycopg
 from sqlalchemy import Engine, make_url
 
 from dispatcher._core import Dispatcher
-from outbox._config import NOTIFY_CHANNEL
+from outbox._config import NOTIFY_CHANNEL, call_timeout_of
+from outbox._connections import connect
 from outbox.sql import dispatch as sql
 
 log = logging.getLogger("outbox.worker")
+
+# Seconds between two probes of the idle LISTEN connection. A silent one is found
+# within this + the engine's call timeout; polling covers the gap meanwhile.
+LISTEN_PROBE_INTERVAL = float(os.environ.get("OUTBOX_LISTEN_PROBE_INTERVAL", "5"))
 
 
 def _psycopg_dsn(engine: Engine) -> str:
@@ -31,19 +43,34 @@ def _psycopg_dsn(engine: Engine) -> str:
 
 def listen_for_due(engine: Engine, channel: str, wake: threading.Event,
                    stop: threading.Event, queue: str,
-                   application_name: str = "outbox-listener") -> None:
-    """Set `wake` on every NOTIFY for our queue; reconnect with backoff on errors."""
+                   application_name: str = "outbox-listener", *,
+                   probe_interval: float | None = None) -> None:
+    """Set `wake` on every NOTIFY for our queue; reconnect with backoff on errors.
+
+    Every `probe_interval` seconds (default `LISTEN_PROBE_INTERVAL`) one `SELECT 1`,
+    bounded by the engine's call timeout, proves the connection still carries
+    notifications; a probe that fails (a silent peer) or any other error drops the
+    connection and reconnects. Each (re)connection rings `wake` once: a NOTIFY sent
+    while we were not listening is lost, so the worker looks at once.
+    """
+    interval = LISTEN_PROBE_INTERVAL if probe_interval is None else probe_interval
+    call_timeout = call_timeout_of(engine)
     backoff = 0.1
     while not stop.is_set():
         try:
-            with psycopg.connect(_psycopg_dsn(engine), autocommit=True,
-                                 application_name=application_name) as conn:
+            with connect(_psycopg_dsn(engine), call_timeout=call_timeout, autocommit=True,
+                         application_name=application_name) as conn:
                 conn.execute(f"LISTEN {channel}")  # channel is our constant, not input
                 backoff = 0.1
+                wake.set()
+                next_probe = time.monotonic() + interval
                 while not stop.is_set():
-                    for note in conn.notifies(timeout=0.5):
+                    for note in conn.notifies(timeout=min(0.5, interval)):
                         if note.payload in ("", queue):
                             wake.set()
+                    if time.monotonic() >= next_probe:
+                        conn.probe()  # notifications it receives wait in the backlog
+                        next_probe = time.monotonic() + interval
         except psycopg.Error as exc:
             log.warning("listener lost its connection (%s); polling meanwhile", exc)
             stop.wait(backoff)

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import os
+import time
+import weakref
 from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import InvalidatePoolError
 
-from outbox._connections import DEFAULT_CALL_TIMEOUT, KEEPALIVE_ARGS, BoundedConnection
+from outbox._connections import (
+    DEFAULT_CALL_TIMEOUT,
+    KEEPALIVE_ARGS,
+    BoundedConnection,
+)
+from outbox._connections import (
+    idle_in_transaction_timeout as default_idle_in_transaction,
+)
 from outbox.errors import ConfigurationError
 
 NOTIFY_CHANNEL = "outbox_due"
@@ -47,13 +58,23 @@ def libpq_dsn(url: str | None = None) -> str:
 
 
 def make_engine(url: str | None = None, *, application_name: str = "outbox",
-                call_timeout: float | None = DEFAULT_CALL_TIMEOUT, **kwargs: Any) -> Engine:
+                call_timeout: float | None = DEFAULT_CALL_TIMEOUT,
+                idle_in_transaction_timeout: float | None = None, **kwargs: Any) -> Engine:
     """A psycopg 3 engine whose sessions say who they are in `pg_stat_activity`.
 
-    No call on it can hang on a silent peer (outbox/_connections.py): TCP keepalives
-    and `tcp_user_timeout`, and every wait for the server bounded by `call_timeout`
-    seconds (None: unbounded), after which the connection is dropped from the pool and
-    the call fails with an OperationalError. Keep it above your longest statement.
+    No call on it can hang on a silent peer (outbox/_connections.py, docs/network.md):
+    TCP keepalives and `tcp_user_timeout`, and every wait for the server bounded by
+    `call_timeout` seconds (None: unbounded), after which the connection is dropped from
+    the pool and the call fails with an OperationalError. Keep it above your longest
+    statement, lock waits included.
+
+    The server ends a session left idle inside a transaction for longer than
+    `idle_in_transaction_timeout` seconds (libpq `options`, so it costs no round trip):
+    the backend of a client whose connection went silent holds its locks (the atomic
+    guard's advisory lock on the key, row locks) until then. None: the call timeout +
+    5 s, or `OUTBOX_DB_IDLE_IN_TRANSACTION_TIMEOUT`; 0: leave the server's setting. The
+    library never leaves a transaction idle; raise it if your own request code computes
+    (or calls out) between statements for longer.
     """
     target = make_url(normalize_url(url or database_url()))
     connect_args = dict(kwargs.pop("connect_args", {}))
@@ -63,12 +84,32 @@ def make_engine(url: str | None = None, *, application_name: str = "outbox",
     connect_args.setdefault("connect_timeout", 10)
     for name, value in KEEPALIVE_ARGS.items():
         connect_args.setdefault(name, value)
+    idle = (default_idle_in_transaction(call_timeout) if idle_in_transaction_timeout is None
+            else idle_in_transaction_timeout if idle_in_transaction_timeout > 0 else None)
+    if idle is not None:
+        options = _with_idle_in_transaction_timeout(
+            connect_args.get("options", target.query.get("options")), idle)
+        if options is not None:
+            connect_args["options"] = options
     # The pre-ping is itself a bounded call: a pooled connection that went silent while
     # it was idle is found out at checkout, within `call_timeout`.
     kwargs.setdefault("pool_pre_ping", True)
     engine = create_engine(target, connect_args=connect_args, **kwargs)
     bound_calls(engine, call_timeout)
+    if not kwargs["pool_pre_ping"] and call_timeout is not None:
+        ping_when_idle(engine, call_timeout)
     return engine
+
+
+
+def _with_idle_in_transaction_timeout(options: Any, seconds: float) -> str | None:
+    """libpq `options` with `-c idle_in_transaction_session_timeout=...` added, unless
+    the caller (connect_args or the URL's query) set it already (then None)."""
+    existing = options if isinstance(options, str) else ""
+    if "idle_in_transaction_session_timeout" in existing:
+        return None
+    ours = f"-c idle_in_transaction_session_timeout={max(1, round(seconds * 1000))}"
+    return f"{existing} {ours}".strip()
 
 
 def bound_calls(engine: Engine, call_timeout: float | None = DEFAULT_CALL_TIMEOUT) -> None:
@@ -76,6 +117,7 @@ def bound_calls(engine: Engine, call_timeout: float | None = DEFAULT_CALL_TIMEOU
 
     For an engine you built yourself (psycopg 3 driver only).
     """
+    _call_timeouts[engine] = call_timeout
 
     @event.listens_for(engine, "do_connect")
     def _connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]
@@ -83,3 +125,39 @@ def bound_calls(engine: Engine, call_timeout: float | None = DEFAULT_CALL_TIMEOU
         conn = BoundedConnection.connect(*cargs, **cparams)
         conn.call_timeout = call_timeout
         return conn
+
+
+_call_timeouts: weakref.WeakKeyDictionary[Engine, float | None] = weakref.WeakKeyDictionary()
+
+
+def call_timeout_of(engine: Engine) -> float | None:
+    """The call timeout `bound_calls` gave `engine` (the default if it gave none)."""
+    return _call_timeouts.get(engine, DEFAULT_CALL_TIMEOUT)
+
+
+def ping_when_idle(engine: Engine, after: float) -> None:
+    """Without `pool_pre_ping`: ping, at checkout, a pooled connection idle for `after`.
+
+    Workers turn the pre-ping off (a round trip per statement, and their statements
+    retry on a dead connection anyway), but a pool must not hand out a connection it
+    has not heard from for longer than the bound without checking it. A connection
+    in steady use is never pinged; one idle longer than `after` costs one bounded
+    round trip, and a silent one is replaced (with every older pooled connection)
+    before the caller sees it.
+    """
+
+    @event.listens_for(engine, "checkin")
+    def _checkin(dbapi_connection: Any, record: Any) -> None:
+        record.info["outbox_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        since = record.info.pop("outbox_idle_since", None)
+        if since is None or time.monotonic() - since < after:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except psycopg.Error as exc:
+            raise InvalidatePoolError(f"pooled connection idle for "
+                                      f"{time.monotonic() - since:.0f} s failed its ping: "
+                                      f"{exc}") from exc

@@ -17,6 +17,11 @@ the kernel, which by default gives up after hours. Two layers bound that wait:
 
 A connection that is idle by design (LISTEN) has no wait to expire: its owner must
 probe it (`probe()`), see dispatcher/worker.py.
+
+The server has its own half: a silenced client's backend stays "idle in transaction",
+holding its locks, until PostgreSQL ends it; `make_engine` sets
+`idle_in_transaction_session_timeout` for that (`idle_in_transaction_timeout` below).
+Defaults and the recovery times they imply: docs/network.md.
 """
 
 from __future__ import annotations
@@ -29,9 +34,43 @@ from psycopg import errors as pg_errors
 from psycopg.abc import PQGen
 from psycopg.rows import TupleRow
 
+
+def env_seconds(name: str, default: float) -> float | None:
+    """Seconds from the environment; 0 or a negative value means None (no bound)."""
+    raw = os.environ.get(name, "").strip()
+    value = float(raw) if raw else default
+    return value if value > 0 else None
+
+
 # Every statement of the library takes milliseconds; a user's request transaction
-# may take longer. Both must still end when the peer is gone.
-DEFAULT_CALL_TIMEOUT = float(os.environ.get("OUTBOX_DB_CALL_TIMEOUT", "30"))
+# may take longer. Both must still end when the peer is gone. See docs/network.md.
+DEFAULT_CALL_TIMEOUT = env_seconds("OUTBOX_DB_CALL_TIMEOUT", 30.0)
+# Workers run only the library's own statements (claim, record, extend: milliseconds),
+# so they may give up much sooner. It must stay below the dispatcher's retry budget
+# for those statements (dispatcher/_core.py `_db_retry`, 10 s): a call that gives up
+# after 5 s leaves time for one more try on a fresh connection, so a silent
+# connection costs about 5 s, never a dropped outcome (whose effect would then wait
+# for its lease to expire and be redelivered). It also stays below a third of the
+# default lease (30 s), the interval at which leases are extended, so a failed
+# extension is retried before the lease runs out.
+DEFAULT_WORKER_CALL_TIMEOUT = env_seconds("OUTBOX_WORKER_DB_CALL_TIMEOUT", 5.0)
+# How long PostgreSQL lets a session sit idle *inside* a transaction before it ends
+# the session (`idle_in_transaction_session_timeout`): the server's half of the bound.
+# A client whose connection went silent gives up after its call timeout, but the
+# server still sees a session "idle in transaction" holding its locks (the atomic
+# guard's advisory lock on the key: every retry would get 409) until the kernel
+# notices, which may be never behind a middlebox that keeps acknowledging. Default:
+# the call timeout + IDLE_IN_TRANSACTION_MARGIN; OUTBOX_DB_IDLE_IN_TRANSACTION_TIMEOUT
+# sets it (0: leave the server's setting alone).
+IDLE_IN_TRANSACTION_MARGIN = 5.0
+
+
+def idle_in_transaction_timeout(call_timeout: float | None) -> float | None:
+    """The default server-side bound for a client with this call timeout (or None)."""
+    if os.environ.get("OUTBOX_DB_IDLE_IN_TRANSACTION_TIMEOUT", "").strip():
+        return env_seconds("OUTBOX_DB_IDLE_IN_TRANSACTION_TIMEOUT", 0.0)
+    base = call_timeout if call_timeout is not None else DEFAULT_CALL_TIMEOUT
+    return None if base is None else base + IDLE_IN_TRANSACTION_MARGIN
 
 # Kernel-level detection (seconds): first probe after 10 s idle, then every 5 s, dead
 # after 3 unanswered ones; unacknowledged data for 20 s also kills the connection.
