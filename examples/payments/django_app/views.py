@@ -118,7 +118,7 @@ def verified_body(source: str, request: Request) -> bytes:
     sources = _sources()
     sources.check_source(source)
     body = read_body(request, DEFAULT_MAX_BODY)
-    sources.verify(source, Headers(request), body)  # type: ignore[arg-type]
+    sources.verify(source, Headers(request), body)
     check_json_media_type(_as_starlette(request))
     return body
 

@@ -100,8 +100,8 @@ def _http_request(request: Any) -> HttpRequest:
     return inner if isinstance(inner, HttpRequest) else cast(HttpRequest, request)
 
 
-class Headers:
-    """`get`/`getlist` over a Django request's headers, each value as the client sent it.
+class Headers(Mapping[str, str]):
+    """A request's headers by lowercase name (first value), plus `getlist` for all of them.
 
     Under ASGI the raw header list is read, so two `Idempotency-Key` or `X-Tenant`
     headers stay two (outbox.http's rules refuse them); under WSGI the server has
@@ -128,9 +128,24 @@ class Headers:
         value = self._meta.get(key)
         return [] if value is None or (value == "" and name in self._META_NAMES) else [value]
 
-    def get(self, name: str, default: str | None = None) -> str | None:
+    def _names(self) -> list[str]:
+        if self._raw is not None:
+            return list(dict.fromkeys(k for k, _ in self._raw))
+        names = [k for k in self._META_NAMES if self.getlist(k)]
+        return names + [k[5:].lower().replace("_", "-") for k in self._meta
+                        if k.startswith("HTTP_")]
+
+    def __getitem__(self, name: str) -> str:
         values = self.getlist(name)
-        return values[0] if values else default
+        if not values:
+            raise KeyError(name)
+        return values[0]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
 
 
 class _HeaderView:
