@@ -20,8 +20,10 @@ refused by the proxy itself ('N'), so clients with `sslmode=prefer` stay readabl
 
 `silence_open()` (issue 14) makes every connection open at that moment go *silent*:
 bytes from either side are read (so the kernel keeps acknowledging them, as a wedged
-middlebox does) and dropped, no FIN, no RST; connections opened later work. It
-returns how many it silenced.
+middlebox does) and dropped, no FIN, no RST; connections opened later work. A side
+that closes a silent connection is not heard either: the other side stays open until
+it closes too (a backend the server ends) or the proxy stops. It returns how many it
+silenced.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class TcpProxy:
         self.commits_seen: list[str] = []  # "Q:COMMIT" or "P:COMMIT", in order
         self.dropped: list[bytes] = []  # per cut: what the server said, unseen
         self._conns: set[_Conn] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tcp-proxy")
@@ -112,6 +115,8 @@ class TcpProxy:
                 self._server.close()
             for conn in list(self._conns):
                 self._reset(conn)
+            if self._handlers:  # let them see the reset and end (silent ones wait)
+                await asyncio.wait(list(self._handlers), timeout=2)
         if self._thread.is_alive():
             self._call(close())
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -150,6 +155,10 @@ class TcpProxy:
         self.connections += 1
         conn, mode = _Conn(writer), self.mode
         self._conns.add(conn)
+        me = asyncio.current_task()
+        if me is not None:
+            self._handlers.add(me)
+            me.add_done_callback(self._handlers.discard)
         try:
             if mode == "reset_now":
                 return self._reset(conn)
@@ -166,6 +175,8 @@ class TcpProxy:
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
             if conn.cut:  # the client is gone: still collect the server's answer
                 await asyncio.wait(pumps[1:], timeout=2)
+            if conn.silent:  # a side that hangs up is not heard either: keep the other
+                await asyncio.wait(pumps)  # open until it hangs up too (or stop())
             for task in pumps:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
