@@ -236,7 +236,9 @@ class Dispatcher:
                     raise TransientFailure(f"no handler registered for kind {row.kind!r}")
                 result = registration.handler(effect)
                 _crashpoint("after_deliver_before_record")
-            except Exception as exc:  # every failure is classified by the policy
+            # Every failure is classified by the policy, BaseExceptions too: a handler
+            # raising SystemExit or KeyboardInterrupt used to skip it (and the cap).
+            except BaseException as exc:
                 duration = time.perf_counter() - t0
                 # `retry_until` was set from the database clock (or the injected one):
                 # compare it with the same clock, not with this host's wall time.
@@ -273,16 +275,28 @@ class Dispatcher:
                 result=_jsonb_text(result) if result is not None else None,
                 http_status=_http_status(status), trace_id=trace_id)
 
+    def _crashed(self, row: Row[Any], exc: BaseException) -> sql.Outcome:
+        """The outcome when `_deliver` itself failed (a bug in a policy, say): retried
+        with backoff, never stranded, but dead-lettered at the cap like any attempt."""
+        now = self.clock() or datetime.now(UTC)
+        error = _db_text(f"{type(exc).__name__}: {exc}"[:2000])
+        if RetryPolicy.exhausted(attempt=row.attempts, max_attempts=row.max_attempts,
+                                 retry_until=row.retry_until, now=now):
+            return sql.Outcome(
+                effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+                outcome="failed", next_status="failed", started_at=datetime.now(UTC),
+                error=error)
+        return sql.Outcome(
+            effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+            outcome="retry", next_status="pending", started_at=datetime.now(UTC),
+            delay=min(60.0, 2.0 ** row.attempts), error=error)
+
     def _finished(self, row: Row[Any], future: Future[sql.Outcome]) -> None:
         try:
             outcome = future.result()
-        except BaseException as exc:  # a bug in a policy, say: retry, never strand it
+        except BaseException as exc:
             log.exception("delivery of effect %s crashed", row.id)
-            outcome = sql.Outcome(
-                effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
-                outcome="retry", next_status="pending", started_at=datetime.now(UTC),
-                delay=min(60.0, 2.0 ** row.attempts),
-                error=_db_text(f"{type(exc).__name__}: {exc}"[:2000]))
+            outcome = self._crashed(row, exc)
         with self._done_lock:
             if row.id in self._released:
                 return  # released at shutdown; recording this too would double the attempt
@@ -399,16 +413,28 @@ class Dispatcher:
         The request may already have reached the receiver, so the attempt is ambiguous;
         a handler that declared it cannot be retried safely gets the effect parked for
         review (DESIGN.md section 5), as for any other ambiguous outcome, instead of a
-        blind redelivery.
+        blind redelivery. The attempt counts: on the last allowed one (or past
+        `retry_until`) the effect is dead-lettered, else every shutdown mid-delivery
+        handed out one more attempt than the cap.
         """
-        registration = self.registry.get(item.row.kind)
+        row = item.row
+        registration = self.registry.get(row.kind)
         safe = registration.retry_safe if registration else True
         started = datetime.now(UTC) - timedelta(seconds=time.monotonic() - item.started)
+        error = "released: worker shut down mid-delivery"
+        if not safe:
+            outcome, next_status = "ambiguous", "needs_review"
+        elif RetryPolicy.exhausted(attempt=row.attempts, max_attempts=row.max_attempts,
+                                   retry_until=row.retry_until,
+                                   now=self.clock() or datetime.now(UTC)):
+            outcome, next_status = "failed", "failed"
+            error += " on the last allowed attempt"
+        else:
+            outcome, next_status = "ambiguous", "pending"
         return sql.Outcome(
-            effect_id=item.row.id, lease_token=item.row.lease_token,
-            attempt=item.row.attempts, outcome="ambiguous",
-            next_status="pending" if safe else "needs_review", started_at=started,
-            delay=0.0, error="released: worker shut down mid-delivery")
+            effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+            outcome=outcome, next_status=next_status, started_at=started, delay=0.0,
+            error=error)
 
     def shutdown(self, grace: float = 10.0) -> None:
         """Finish in-flight deliveries within `grace` seconds, release the rest."""

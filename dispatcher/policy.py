@@ -45,6 +45,17 @@ class RetryPolicy:
         state.outcome = Future.construct(attempt, error, True)
         return state
 
+    @staticmethod
+    def exhausted(*, attempt: int, max_attempts: int, retry_until: datetime | None = None,
+                  now: datetime | None = None) -> bool:
+        """The cap: no attempt may follow this one (`attempt` counts from 1).
+
+        Every path that ends an attempt without `decide` (a crashed policy, a release at
+        shutdown) asks this too, so no path can send an exhausted effect back to pending.
+        """
+        return attempt >= max_attempts or (
+            retry_until is not None and now is not None and now >= retry_until)
+
     def decide(self, *, attempt: int, max_attempts: int, error: BaseException,
                retry_safe: bool = True, retry_until: datetime | None = None,
                now: datetime | None = None) -> Decision:
@@ -55,7 +66,8 @@ class RetryPolicy:
         state = self._state(attempt, error)
         if isinstance(error, PermanentFailure) or not self.retry(state):
             return Decision("failed", "failed")
-        if attempt >= max_attempts:
+        if self.exhausted(attempt=attempt, max_attempts=max_attempts,
+                          retry_until=retry_until, now=now):
             return Decision("failed", "failed")
         # A receiver's Retry-After is honoured up to `max_wait`: it is receiver input,
         # "1e400" parses to inf and 1e13 s overflows timestamptz, and either made the
