@@ -85,6 +85,16 @@ _db_retry = retry(
 )
 
 
+def _backend_pid(conn: Any) -> int | None:
+    """The server process behind a SQLAlchemy connection, known to psycopg without a
+    round trip (None for a driver that does not say)."""
+    try:
+        pid = conn.connection.dbapi_connection.info.backend_pid
+    except AttributeError:
+        return None
+    return pid if isinstance(pid, int) and pid > 0 else None
+
+
 @dataclass(slots=True)
 class _InFlight:
     row: Row[Any]
@@ -142,23 +152,70 @@ class Dispatcher:
         self._done: list[sql.Outcome] = []
         self._done_lock = threading.Lock()
         self._released: set[int] = set()  # released at shutdown: drop late outcomes
-        # Lease tokens whose outcome `_finished` has queued (tokens, not ids: a rescue of
-        # our own expired lease puts the same id in flight again). `Future.done()` turns
-        # true before the done-callbacks run, so reaping on done() could forget a
-        # delivery whose outcome was not queued yet: shutdown (or the end of a drain)
-        # then returned without recording it, and the delivered effect was redelivered
+        # Leases (id, token) whose outcome `_finished` has queued (not ids alone: a
+        # rescue of our own expired lease puts the same id in flight again; not tokens
+        # alone: the rows of one claim share its token). `Future.done()` turns true
+        # before the done-callbacks run, so reaping on done() could forget a delivery
+        # whose outcome was not queued yet: shutdown (or the end of a drain) then
+        # returned without recording it, and the delivered effect was redelivered
         # after its lease.
-        self._reported: set[uuid.UUID] = set()
+        self._reported: set[tuple[int, uuid.UUID]] = set()
         self.wake = threading.Event()
         self._last_extend = time.monotonic()
 
     # -- database steps ----------------------------------------------------------------
 
-    @_db_retry
     def _claim(self, limit: int) -> list[Row[Any]]:
+        """Claim with one lease token for this call and every retry of it.
+
+        The claim commits on its own (autocommit): when the reply is lost after the
+        UPDATE committed, a blind retry claimed other rows while the first batch sat
+        in flight, undelivered, for a whole lease, its attempt counted (and on the
+        last allowed attempt the sweep dead-lettered an effect never delivered). So a
+        retry first takes back the rows holding this call's token.
+        """
+        token = uuid.uuid4()
+        pids: list[int] = []  # backends of earlier tries
+        tries = [0]
+
+        @_db_retry
+        def attempt() -> list[Row[Any]]:
+            tries[0] += 1
+            return self._claim_try(limit, token, pids, retry=tries[0] > 1)
+
+        return attempt()
+
+    def _claim_try(self, limit: int, token: uuid.UUID, pids: list[int], *,
+                   retry: bool) -> list[Row[Any]]:
+        """One try of `_claim`: on the normal path the claim alone (one round trip)."""
         with self._autocommit.connect() as conn:
+            if retry:
+                self._await_backends(conn, pids)
+                mine = sql.claimed_with(conn, queue=self.queue, token=token)
+                if mine:
+                    log.warning("claim retried after a lost reply: took back %d rows "
+                                "already claimed by the first try", len(mine))
+                    return mine
+            pid = _backend_pid(conn)
+            if pid is not None:
+                pids.append(pid)
             return sql.claim_due(conn, queue=self.queue, limit=limit, owner=self.worker_id,
-                                 lease_seconds=self.lease, now=self.clock())
+                                 lease_seconds=self.lease, now=self.clock(), token=token)
+
+    def _await_backends(self, conn: Any, pids: list[int]) -> None:
+        """Wait until the earlier tries' backends run nothing: a claim whose client
+        connection broke may still be executing, and `claimed_with` could only see its
+        rows once it committed. Bounded (lease/3, at most 10 s) so that the loop keeps
+        extending the leases of its deliveries; past it, its rows wait for a rescue, as
+        do those of a claim that had not reached its backend yet when we looked.
+        """
+        deadline = time.monotonic() + min(10.0, self.lease / 3)
+        while sql.backends_busy(conn, pids):
+            if time.monotonic() >= deadline:
+                log.warning("an earlier try of this claim is still running on backend(s) "
+                            "%s; its rows will be rescued after their lease", pids)
+                return
+            time.sleep(0.02)
 
     def flush(self) -> dict[int, str]:
         """Record every finished attempt in one statement (fenced by lease token)."""
@@ -301,7 +358,7 @@ class Dispatcher:
             if row.id in self._released:
                 return  # released at shutdown; recording this too would double the attempt
             self._done.append(outcome)
-            self._reported.add(row.lease_token)
+            self._reported.add((row.id, row.lease_token))
         self.wake.set()
 
     def _fill_or_back_off(self) -> int | None:
@@ -338,8 +395,8 @@ class Dispatcher:
         """Forget finished deliveries and record their outcomes; returns how many."""
         with self._done_lock:  # only those whose outcome is queued (see _reported)
             finished = [i for i, f in self._inflight.items()
-                        if f.row.lease_token in self._reported]
-            self._reported.difference_update(self._inflight[i].row.lease_token
+                        if (i, f.row.lease_token) in self._reported]
+            self._reported.difference_update((i, self._inflight[i].row.lease_token)
                                              for i in finished)
         for i in finished:
             del self._inflight[i]

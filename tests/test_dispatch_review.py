@@ -8,23 +8,36 @@ Exactly-once is shown by counting handler runs and attempt rows.
 
 from __future__ import annotations
 
+import asyncio
+import struct
 import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from tenacity import wait_fixed
 
 from dispatcher import Dispatcher, Registry, RetryPolicy
 from dispatcher.handlers import EffectContext
+from outbox._config import make_engine
 from outbox.errors import TransientFailure
+from outbox.sql import dispatch as sql
+from tests import tcp_proxy
 from tests.dispatch_support import (
     add_effects,
     attempts_of,
     db_now,
     effect_row,
+    keys,
+    status_counts,
+    wait_until,
 )
+from tests.tcp_proxy import TcpProxy
+from tests.test_faults import pg_upstream, via_proxy
 
 # --------------------------------------------------------------------------- item 4
 
@@ -158,3 +171,164 @@ def test_shutdown_release_of_an_unsafe_handler_on_its_last_attempt_is_parked(
         release.set()
     assert effect_row(engine, "release-unsafe").status == "needs_review"
     assert [a.outcome for a in attempts_of(engine, eid)] == ["ambiguous"]
+
+
+# --------------------------------------------------------------------------- item 5
+
+# The claim statement, recognised in the client's Parse message.
+CLAIM_MARKER = b"WITH rescue AS MATERIALIZED"
+
+
+class ClaimCutter(TcpProxy):
+    """Cuts the client off one claim, the way a lost reply does.
+
+    When armed, the claim goes to the server up to its Sync; then the client is reset
+    (it sees a broken connection) and the Sync is held until `release` is set. The
+    server has run the UPDATE (rows locked, not yet committed); with the Sync it
+    commits (autocommit: an implicit transaction ends there) and its answer, swallowed
+    here, never reaches the client. `release` set beforehand: the plain lost reply.
+    """
+
+    def __init__(self, upstream: tuple[str, int] | str) -> None:
+        super().__init__(upstream)
+        self.armed = False
+        self.release = threading.Event()
+
+    async def _to_server(self, reader: asyncio.StreamReader, conn: Any) -> None:
+        assert conn.server is not None
+        while True:  # startup, as TcpProxy: refuse encryption requests ourselves
+            length, code = struct.unpack("!ii", await reader.readexactly(8))
+            body = await reader.readexactly(length - 8)
+            if code not in tcp_proxy._ENCRYPTION_REQUESTS:
+                conn.server.write(struct.pack("!ii", length, code) + body)
+                break
+            conn.client.write(b"N")
+        in_claim = False
+        while True:
+            head = await reader.readexactly(5)
+            message = head + await reader.readexactly(struct.unpack("!i", head[1:])[0] - 4)
+            if head[:1] == b"P" and CLAIM_MARKER in message and self.armed:
+                self.armed, in_claim = False, True
+            elif head[:1] == b"S" and in_claim:
+                in_claim, conn.cut = False, True  # the server's answer is swallowed
+                self._fired()
+                self._reset(conn, client_only=True)
+                while not self.release.is_set():
+                    await asyncio.sleep(0.005)
+            conn.server.write(message)
+            await conn.server.drain()
+
+
+@pytest.fixture
+def cutter(db_url: str) -> Iterator[ClaimCutter]:
+    proxy = ClaimCutter(pg_upstream(db_url))
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.release.set()
+        proxy.stop()
+
+
+def _proxied_engine(db_url: str, proxy: TcpProxy) -> Engine:
+    return make_engine(via_proxy(db_url, proxy.port), application_name="review-claim",
+                       pool_size=2, max_overflow=2)
+
+
+def _counting_registry(ran: Counter[str]) -> Registry:
+    def count(effect: EffectContext) -> dict[str, str]:
+        ran[effect.key] += 1
+        return {"ok": effect.key}
+
+    reg = Registry()
+    reg.register("count", count)
+    return reg
+
+
+def test_claim_retried_after_a_lost_reply_takes_back_its_rows(
+        engine: Engine, db_url: str, cutter: ClaimCutter) -> None:
+    """The claim's UPDATE commits, its reply is lost, `_db_retry` claims again: the
+    first batch used to sit in flight for a whole lease with an attempt counted (on
+    the last allowed attempt the sweep then dead-lettered it, never delivered)."""
+    lease = 60.0
+    expected = keys("lost-claim", 3)
+    add_effects(engine, expected, kind="count", max_attempts=1)
+    ran: Counter[str] = Counter()
+    proxied = _proxied_engine(db_url, cutter)
+    d = Dispatcher(proxied, _counting_registry(ran), concurrency=2, lease=lease)
+    cutter.release.set()
+    cutter.armed = True
+    t = time.monotonic()
+    try:
+        d.drain(budget=20)
+    finally:
+        d.shutdown(0)
+        proxied.dispose()
+    elapsed = time.monotonic() - t
+    # The reply really was lost after the claim committed: the server said UPDATE 2.
+    assert cutter.cuts == 1
+    wait_until(lambda: cutter.dropped, 5, message="the swallowed answer")
+    assert b"UPDATE 2\x00" in cutter.dropped[0]
+    # Every effect delivered once, on its one allowed attempt, without a lease's wait.
+    assert status_counts(engine) == {"delivered": 3}
+    assert ran == dict.fromkeys(expected, 1)
+    for key in expected:
+        row = effect_row(engine, key)
+        assert row.attempts == 1
+        assert [a.outcome for a in attempts_of(engine, row.id)] == ["delivered"]
+    assert elapsed < lease / 4
+
+
+def test_claim_retry_waits_for_the_first_try_still_running(
+        engine: Engine, db_url: str, cutter: ClaimCutter,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's connection broke while the server still ran the claim (its rows
+    locked, not committed): a retry that looked for its rows then found none, and
+    they sat out a lease once that claim committed."""
+    lease = 60.0
+    expected = keys("slow-claim", 2)
+    add_effects(engine, expected, kind="count", max_attempts=1)
+    ran: Counter[str] = Counter()
+    proxied = _proxied_engine(db_url, cutter)
+    d = Dispatcher(proxied, _counting_registry(ran), concurrency=2, lease=lease)
+    retry_looked = threading.Event()
+    busy = getattr(sql, "backends_busy", None)  # absent before the fix
+
+    def observed_busy(conn: Connection, pids: list[int]) -> bool:
+        assert busy is not None
+        result: bool = busy(conn, pids)
+        if result:
+            retry_looked.set()
+        return result
+
+    monkeypatch.setattr(sql, "backends_busy", observed_busy, raising=False)
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        try:
+            d.drain(budget=30)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=drain)
+    cutter.armed = True
+    worker.start()
+    try:
+        # The retry saw the first claim still running (or, not waiting for it, went
+        # on, claimed nothing, and the drain ended).
+        wait_until(lambda: retry_looked.is_set() or not worker.is_alive(), 15,
+                   interval=0.01, message="the retry, while the first claim runs")
+    finally:
+        cutter.release.set()  # the first claim commits now
+    worker.join(30)
+    d.shutdown(0)
+    proxied.dispose()
+    assert not worker.is_alive() and errors == []
+    assert cutter.cuts == 1
+    # The first claim did take both rows, committed once the Sync went through.
+    wait_until(lambda: cutter.dropped, 5, message="the first claim's swallowed answer")
+    assert b"UPDATE 2\x00" in cutter.dropped[0]
+    assert status_counts(engine) == {"delivered": 2}
+    assert ran == dict.fromkeys(expected, 1)
+    for key in expected:
+        assert effect_row(engine, key).attempts == 1

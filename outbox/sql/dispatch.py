@@ -16,10 +16,17 @@ from sqlalchemy import Connection, Row, text
 
 _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 
+_CLAIMED_COLUMNS = (
+    "e.id, e.effect_key, e.kind, e.payload, e.headers, e.attempts, e.max_attempts,"
+    " e.lease_token, e.lease_expires_at, e.created_at, e.retry_until,"
+    " e.ordering_key, e.queue")
+
 # Two MATERIALIZED CTEs: a plain `IN (SELECT ... LIMIT n)` may be re-evaluated and
 # claim more than n rows (PostgreSQL bug #15715); a CTE is evaluated exactly once.
 # `rescue` takes in-flight rows whose lease expired (their worker died or stalled);
 # `fresh` takes due pending rows, only the head of each ordering key.
+# Every row of one claim gets the caller's `:token`: a retry of a claim whose reply was
+# lost finds its rows by it (`claimed_with`). Fencing stays per (id, token).
 _CLAIM = text(
     f"""
     WITH rescue AS MATERIALIZED (
@@ -48,26 +55,65 @@ _CLAIM = text(
     UPDATE outbox.effects e
        SET status = 'in_flight',
            lease_owner = :owner,
-           lease_token = gen_random_uuid(),
+           lease_token = CAST(:token AS uuid),
            lease_expires_at = {_NOW} + make_interval(secs => :lease),
            attempts = e.attempts + 1
       FROM picked
      WHERE e.id = picked.id
-    RETURNING e.id, e.effect_key, e.kind, e.payload, e.headers, e.attempts, e.max_attempts,
-              e.lease_token, e.lease_expires_at, e.created_at, e.retry_until,
-              e.ordering_key, e.queue
+    RETURNING {_CLAIMED_COLUMNS}
     """
 )
 
 
 def claim_due(conn: Connection, *, queue: str, limit: int, owner: str,
-              lease_seconds: float, now: datetime | None = None) -> list[Row[Any]]:
-    """Claim at most `limit` due effects for `owner`; commit before delivering them."""
+              lease_seconds: float, now: datetime | None = None,
+              token: uuid.UUID | None = None) -> list[Row[Any]]:
+    """Claim at most `limit` due effects for `owner`; commit before delivering them.
+
+    `token` becomes every claimed row's lease token (a fresh one if None). A caller
+    that may retry the claim passes the same token to each try and to `claimed_with`.
+    """
     if limit <= 0:
         return []
     params = {"queue": queue, "limit": limit, "owner": owner, "lease": lease_seconds,
-              "now": now}
+              "now": now, "token": token or uuid.uuid4()}
     return list(conn.execute(_CLAIM, params))
+
+
+# A retried claim's first step: the rows an earlier try of the same claim took, if its
+# UPDATE committed but the reply was lost. Only in-flight rows of the queue are scanned
+# (effects_in_flight_idx: bounded by the workers' slots), and only on the retry path.
+_CLAIMED_WITH = text(
+    f"""
+    SELECT {_CLAIMED_COLUMNS}
+      FROM outbox.effects e
+     WHERE e.status = 'in_flight' AND e.queue = :queue AND e.lease_token = :token
+     ORDER BY e.id
+    """
+)
+
+
+def claimed_with(conn: Connection, *, queue: str, token: uuid.UUID) -> list[Row[Any]]:
+    """The rows a claim with `token` holds (the claim's own RETURNING columns)."""
+    return list(conn.execute(_CLAIMED_WITH, {"queue": queue, "token": token}))
+
+
+# Whether a backend (an earlier try's connection, lost to us) still runs a statement:
+# its claim may not have committed yet, and `claimed_with` could not see its rows.
+_BACKENDS_BUSY = text(
+    """
+    SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                    WHERE pid = ANY(CAST(:pids AS int[])) AND pid <> pg_backend_pid()
+                      AND state <> 'idle')
+    """
+)
+
+
+def backends_busy(conn: Connection, pids: Sequence[int]) -> bool:
+    """True while any of `pids` (other than ours) is running or inside a transaction."""
+    if not pids:
+        return False
+    return bool(conn.execute(_BACKENDS_BUSY, {"pids": list(pids)}).scalar_one())
 
 
 _EXTEND = text(
