@@ -69,4 +69,6 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": "WARNING"},
+    # A 4xx is an answer, already in uvicorn's access log; errors (5xx) still show.
+    "loggers": {"django.request": {"level": "ERROR"}},
 }

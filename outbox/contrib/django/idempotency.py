@@ -38,6 +38,7 @@ A view that raises stores nothing (its transaction rolls back); a response it re
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -419,6 +420,9 @@ class Idempotency:
                  fingerprint_headers: Iterable[str] = ()) -> None:
         if model is not None and serializer is not None:
             raise ConfigurationError("pass model= or serializer=, not both")
+        if inspect.isfunction(model) or inspect.ismethod(model):
+            raise ConfigurationError("@idempotent takes a body model, not the view: write "
+                                     "@idempotent() with parentheses")
         if mode not in (None, "atomic", "phased"):
             raise ConfigurationError(f"mode is 'atomic' or 'phased', not {mode!r}")
         self.adapter: TypeAdapter[Any] | None = TypeAdapter(model) if model is not None else None
