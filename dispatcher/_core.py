@@ -7,7 +7,10 @@ batch. Leases of long deliveries are extended in one statement per worker.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+import inspect
 import json
 import logging
 import os
@@ -17,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -32,7 +35,7 @@ from dispatcher.handlers import EffectContext, Registry
 from dispatcher.policy import RetryPolicy
 from outbox._idempotency import Clock, database_clock
 from outbox._telemetry import deliveries, delivery_duration, delivery_lag, tracer
-from outbox.errors import DeliveryError, TransientFailure
+from outbox.errors import AmbiguousOutcome, DeliveryError, TransientFailure
 from outbox.sql import dispatch as sql
 
 log = logging.getLogger("outbox.dispatcher")
@@ -93,6 +96,20 @@ def _backend_pid(conn: Any) -> int | None:
     except AttributeError:
         return None
     return pid if isinstance(pid, int) and pid > 0 else None
+
+
+async def _until_deadline(awaitable: Awaitable[Any], deadline: float) -> Any:
+    """Await a handler's result, cancelled at `deadline` (time.monotonic(), which is
+    the loop's clock). Cut there, the request may have gone out: ambiguous."""
+    limit = asyncio.timeout_at(deadline)
+    try:
+        async with limit:
+            return await awaitable
+    except TimeoutError:
+        if limit.expired():
+            raise AmbiguousOutcome("async handler still running at its deadline; "
+                                   "cancelled") from None
+        raise
 
 
 @dataclass(slots=True)
@@ -162,6 +179,13 @@ class Dispatcher:
         self._reported: set[tuple[int, uuid.UUID]] = set()
         self.wake = threading.Event()
         self._last_extend = time.monotonic()
+        # The event loop of async handlers: started on the first awaitable a handler
+        # returns (see _await), stopped by shutdown().
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
+        self._loop_closed = False
+        self._awaiting: set[Future[Any]] = set()  # results pool threads wait for
 
     # -- database steps ----------------------------------------------------------------
 
@@ -292,6 +316,8 @@ class Dispatcher:
                 if registration is None:
                     raise TransientFailure(f"no handler registered for kind {row.kind!r}")
                 result = registration.handler(effect)
+                if inspect.isawaitable(result):  # never record a coroutine as delivered
+                    result = self._await(result, effect.deadline)
                 _crashpoint("after_deliver_before_record")
             # Every failure is classified by the policy, BaseExceptions too: a handler
             # raising SystemExit or KeyboardInterrupt used to skip it (and the cap).
@@ -331,6 +357,82 @@ class Dispatcher:
                 outcome="delivered", next_status="delivered", started_at=started_at,
                 result=_jsonb_text(result) if result is not None else None,
                 http_status=_http_status(status), trace_id=trace_id)
+
+    def _await(self, awaitable: Awaitable[Any], deadline: float) -> Any:
+        """Run an async handler's awaitable to completion (on a pool thread).
+
+        One event loop per Dispatcher, on its own thread, rather than `asyncio.run` per
+        delivery: a loop per call costs a loop's setup each time and, worse, breaks
+        handlers that keep an async client (httpx.AsyncClient, a connection pool)
+        across deliveries, since those are bound to the loop they were made on. The
+        pool thread waits for the result, so `concurrency` still caps deliveries in
+        flight, and the outcome is classified like a sync handler's. The deliver span
+        stays current: the task copies this thread's context.
+        """
+        coro = _until_deadline(awaitable, deadline)
+        try:
+            with self._loop_lock:  # scheduled before shutdown() looks, or refused
+                if self._loop_closed:
+                    raise RuntimeError("the dispatcher was shut down: not delivered")
+                future = asyncio.run_coroutine_threadsafe(coro, self._event_loop())
+                self._awaiting.add(future)
+            try:
+                return future.result()
+            finally:
+                with self._loop_lock:
+                    self._awaiting.discard(future)
+        finally:
+            # Refused, or cancelled by shutdown() before it ran: close what never
+            # started (an unawaited coroutine warns when collected).
+            for c in (coro, awaitable):
+                if inspect.iscoroutine(c) \
+                        and inspect.getcoroutinestate(c) == inspect.CORO_CREATED:
+                    c.close()
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop, started on first use (call with `_loop_lock` held)."""
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, daemon=True,
+                                      name=f"outbox-async-{self.queue}")
+            thread.start()
+            self._loop, self._loop_thread = loop, thread
+        return self._loop
+
+    def _stop_event_loop(self) -> None:
+        """Cancel async deliveries still running (released: their outcomes are
+        dropped), let them unwind, and stop the loop's thread.
+
+        The loop stops only after the cancelled tasks finished and handed their
+        outcome to the waiting pool threads; stopped sooner, a pool thread waited
+        forever (and the process could not exit: executor threads are joined).
+        """
+        with self._loop_lock:
+            loop, thread = self._loop, self._loop_thread
+            self._loop = self._loop_thread = None
+            self._loop_closed = True
+        if loop is None or thread is None:
+            return
+
+        async def cancel_all() -> None:
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        if thread.is_alive():  # a handler blocks the loop: leave the daemon thread
+            return
+        loop.close()
+        with self._loop_lock:  # a task that ignored its cancellation: not delivered
+            stranded, self._awaiting = self._awaiting, set()
+        for future in stranded:
+            if not future.done():
+                future.set_exception(RuntimeError("the dispatcher was shut down"))
 
     def _crashed(self, row: Row[Any], exc: BaseException) -> sql.Outcome:
         """The outcome when `_deliver` itself failed (a bug in a policy, say): retried
@@ -515,3 +617,4 @@ class Dispatcher:
             self._inflight.clear()
         self.flush()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._stop_event_loop()

@@ -3,13 +3,15 @@
 A handler receives an `EffectContext` and returns a JSON-able summary (stored on the
 effect) or raises: `RetryAfter`, `PermanentFailure`, `TransientFailure`,
 `AmbiguousOutcome` from `outbox.errors`; any other exception is retried with backoff.
+A handler may be `async def` (or return any awaitable): the dispatcher awaits it on its
+own event loop and classifies the result the same way (dispatcher/_core.py `_await`).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from email.utils import parsedate_to_datetime
@@ -38,11 +40,13 @@ class EffectContext:
     attempt: int      # 1 for the first attempt
     max_attempts: int
     deadline: float   # time.monotonic() by which the handler must have returned
+    #                   (an async handler still running then is cancelled: ambiguous)
     created_at: datetime
     ordering_key: str | None = None
 
 
-Handler = Callable[[EffectContext], Any]
+# Sync, or async: an awaitable result is awaited before the delivery is recorded.
+Handler = Callable[[EffectContext], Any] | Callable[[EffectContext], Awaitable[Any]]
 
 
 @dataclass(slots=True)
@@ -58,7 +62,11 @@ class Registry:
     handlers: dict[str, Registration] = field(default_factory=dict)
 
     def register(self, kind: str, handler: Handler, *, retry_safe: bool = True) -> None:
-        """`retry_safe=False` parks ambiguous outcomes (`needs_review`) instead of retrying."""
+        """`retry_safe=False` parks ambiguous outcomes (`needs_review`) instead of retrying.
+
+        `handler` may be a coroutine function: the dispatcher awaits it on its event
+        loop, so a delivery is recorded only once the body has run.
+        """
         self.handlers[kind] = Registration(handler, retry_safe)
 
     def handler(self, kind: str, *, retry_safe: bool = True) -> Callable[[Handler], Handler]:

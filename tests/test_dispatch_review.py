@@ -18,13 +18,14 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from opentelemetry import trace
 from sqlalchemy import Connection, Engine
 from tenacity import wait_fixed
 
 from dispatcher import Dispatcher, Registry, RetryPolicy
 from dispatcher.handlers import EffectContext
 from outbox._config import make_engine
-from outbox.errors import TransientFailure
+from outbox.errors import PermanentFailure, TransientFailure
 from outbox.sql import dispatch as sql
 from tests import tcp_proxy
 from tests.dispatch_support import (
@@ -36,8 +37,167 @@ from tests.dispatch_support import (
     status_counts,
     wait_until,
 )
+from tests.otel_helpers import span_exporter
 from tests.tcp_proxy import TcpProxy
 from tests.test_faults import pg_upstream, via_proxy
+
+# --------------------------------------------------------------------------- item 3
+
+
+def test_async_handler_runs_before_the_delivery_is_recorded(engine: Engine) -> None:
+    """An `async def` handler was recorded `delivered` with a coroutine object as its
+    result, its body never run. Now its body runs once per effect, on one event loop
+    per Dispatcher (an async client can be kept across deliveries), inside the
+    deliver span."""
+    span_exporter()  # an SDK tracer: real trace ids to compare
+    ran: Counter[str] = Counter()
+    loops: set[int] = set()
+    traces: dict[str, str] = {}
+    reg = Registry()
+
+    @reg.handler("async")
+    async def deliver(effect: EffectContext) -> dict[str, Any]:
+        await asyncio.sleep(0.01)  # really suspends: only an awaited body gets past it
+        ran[effect.key] += 1
+        loops.add(id(asyncio.get_running_loop()))
+        traces[effect.key] = format(trace.get_current_span().get_span_context().trace_id,
+                                    "032x")
+        return {"ran": effect.key}
+
+    expected = keys("async", 6)
+    add_effects(engine, expected, kind="async")
+    d = Dispatcher(engine, reg, concurrency=3)
+    try:
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    assert status_counts(engine) == {"delivered": 6}
+    assert ran == dict.fromkeys(expected, 1)
+    assert len(loops) == 1
+    for key in expected:
+        row = effect_row(engine, key)
+        assert row.result == {"ran": key}
+        [a] = attempts_of(engine, row.id)
+        assert (a.outcome, a.trace_id) == ("delivered", traces[key])
+        assert int(a.trace_id, 16) != 0
+
+
+def test_a_sync_handler_returning_an_awaitable_is_awaited(engine: Engine) -> None:
+    """A plain callable that returns a coroutine (a lambda around an async function)."""
+    ran: list[str] = []
+
+    async def work(effect: EffectContext) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        ran.append(effect.key)
+        return {"ok": True}
+
+    reg = Registry()
+    reg.register("wrapped", lambda e: work(e))
+    add_effects(engine, ["wrapped-1"], kind="wrapped")
+    d = Dispatcher(engine, reg)
+    try:
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    assert ran == ["wrapped-1"]
+    assert effect_row(engine, "wrapped-1").result == {"ok": True}
+
+
+def test_async_handler_failures_are_classified_like_sync_ones(engine: Engine) -> None:
+    """Raised from a coroutine, TransientFailure is retried and PermanentFailure
+    dead-letters, exactly as from a sync handler."""
+    calls: Counter[str] = Counter()
+    reg = Registry()
+
+    async def flaky(effect: EffectContext) -> dict[str, Any]:
+        calls[effect.key] += 1
+        await asyncio.sleep(0)
+        if effect.attempt < 2:
+            raise TransientFailure("not yet")
+        return {"ok": effect.attempt}
+
+    async def refused(effect: EffectContext) -> None:
+        calls[effect.key] += 1
+        await asyncio.sleep(0)
+        raise PermanentFailure("no such account", http_status=422)
+
+    reg.register("flaky", flaky)
+    reg.register("refused", refused)
+    add_effects(engine, ["a-flaky"], kind="flaky")
+    add_effects(engine, ["a-refused"], kind="refused")
+    clock = [db_now(engine)]
+    d = Dispatcher(engine, reg, policy=RetryPolicy(wait=wait_fixed(5)),
+                   clock=lambda: clock[0])
+    try:
+        d.drain(budget=5)
+        clock[0] += timedelta(seconds=6)
+        d.drain(budget=5)
+    finally:
+        d.shutdown(0)
+    assert calls == {"a-flaky": 2, "a-refused": 1}
+    flaky_row, refused_row = effect_row(engine, "a-flaky"), effect_row(engine, "a-refused")
+    assert (flaky_row.status, flaky_row.result) == ("delivered", {"ok": 2})
+    assert [a.outcome for a in attempts_of(engine, flaky_row.id)] == ["retry", "delivered"]
+    assert refused_row.status == "failed"
+    [a] = attempts_of(engine, refused_row.id)
+    assert (a.outcome, a.http_status) == ("failed", 422)
+
+
+def test_async_handler_past_its_deadline_is_cancelled_as_ambiguous(engine: Engine) -> None:
+    """`EffectContext.deadline` bounds an async handler: it is cancelled there, and the
+    attempt is ambiguous (the request may be out), so a retry-unsafe one is parked."""
+    cancelled = threading.Event()
+
+    async def hangs(effect: EffectContext) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    reg = Registry()
+    reg.register("hangs", hangs, retry_safe=False)
+    [eid] = add_effects(engine, ["a-hangs"], kind="hangs")
+    d = Dispatcher(engine, reg, lease=1.0)  # deadline: 0.8 s after the start
+    t = time.monotonic()
+    try:
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    assert cancelled.is_set()
+    assert time.monotonic() - t < 10
+    assert effect_row(engine, "a-hangs").status == "needs_review"
+    [a] = attempts_of(engine, eid)
+    assert a.outcome == "ambiguous" and "deadline" in a.error
+
+
+def test_shutdown_cancels_async_deliveries_it_releases(engine: Engine) -> None:
+    """A released async delivery is cancelled (not left running on a loop nobody
+    stops), and its late outcome is not recorded over the release."""
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def slow(effect: EffectContext) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    reg = Registry()
+    reg.register("slow", slow)
+    [eid] = add_effects(engine, ["a-slow"], kind="slow")
+    d = Dispatcher(engine, reg, lease=120)
+    assert d.fill() == 1
+    assert started.wait(5)
+    d.shutdown(grace=0.1)
+    assert cancelled.wait(5)
+    row = effect_row(engine, "a-slow")
+    assert (row.status, row.attempts) == ("pending", 1)
+    assert [a.outcome for a in attempts_of(engine, eid)] == ["ambiguous"]
+    assert d.flush() == {}
+    assert [a.outcome for a in attempts_of(engine, eid)] == ["ambiguous"]
+
 
 # --------------------------------------------------------------------------- item 4
 
