@@ -625,7 +625,14 @@ def test_f28_poison_loop_is_stopped_by_the_attempts_cap(
     [last] = attempts_of(engine, eid)
     assert (last.attempt, last.outcome) == (cap, "failed")
     assert last.error == "lease expired on the last allowed attempt"
-    time.sleep(2.5)  # a few more sweeps: nothing claims it again
+    # A few more sweeps (counted in the worker's log, not guessed from the clock):
+    # nothing claims it again.
+    def sweeps() -> int:
+        return sum(1 for line in worker.tail(100_000).splitlines()
+                   if "outbox.sweep[" in line and "] succeeded" in line)
+
+    seen = sweeps()
+    wait_until(lambda: sweeps() >= seen + 3, 30, message="three more sweeps")
     assert effect_row(engine, "f28-poison").attempts == cap
     assert psp.stats()["deliveries"] == 0
     assert worker.alive()
