@@ -89,6 +89,9 @@ idempotency_keys = Table(
     Column("expires_at", TS, nullable=False),
     # Effect keys derive from it: new on insert, kept by a take-over (migration 0002).
     Column("generation", UUID(as_uuid=True)),
+    # A hash of the request's business identity, when the application declares one
+    # (`same_request=`): the same request under another key is reported (migration 0005).
+    Column("business_hash", Text),
     PrimaryKeyConstraint("scope", "key"),
     CheckConstraint(_in("status", KeyStatus), name="status"),
     CheckConstraint("length(key) BETWEEN 1 AND 255", name="key_length"),
@@ -104,6 +107,9 @@ idempotency_keys = Table(
     # Phased claims only, for the console's stale-claim count (migration 0004).
     Index("idempotency_keys_processing_idx", "lock_expires_at",
           postgresql_where=text("status = 'processing'")),
+    # The newest keys of one business identity per scope (migration 0005).
+    Index("idempotency_keys_business_idx", "scope", "business_hash", "created_at",
+          postgresql_where=text("business_hash IS NOT NULL")),
 )
 
 # Storage settings (fillfactor 80, aggressive autovacuum) are set by migration 0001:
