@@ -13,11 +13,19 @@ The protocol is written once, as generators that yield statements (`_begin`,
 `_complete`, `_claim`, `_release`), and run by the driver seam on a sync handle
 (`begin`, `complete`, ...) or an async one (`abegin`, `acomplete`, ...): the same
 semantics on psycopg, every SQLAlchemy handle and Django (outbox/_driver.py).
+
+The same business request under another key (issue 15): an application may declare
+what makes two requests the same (`same_request=`, e.g. customer + amount + currency).
+Its hash is stored with the key, and the statement that writes the key also counts the
+other keys of the scope with that hash inside `same_request_window`: a client that
+makes up a new key for every retry is reported (metric, span event, log line, and the
+HTTP integration's opt-in header) and never refused or slowed by a round trip.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -26,6 +34,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 import psycopg
+from opentelemetry import trace
 from tenacity import (
     AsyncRetrying,
     Retrying,
@@ -35,12 +44,18 @@ from tenacity import (
 )
 
 from outbox._driver import Query, adrive, drive
-from outbox._telemetry import idempotency_requests
+from outbox._telemetry import idempotency_requests, suspected_duplicates
 from outbox.errors import ClaimLost, KeyReused, RequestInProgress
 from outbox.sql import keys as sql
 
 Mode = Literal["atomic", "phased"]
 Clock = Callable[[], datetime | None]
+#: Maps a request's parsed body to its business identity (None: none to compare).
+SameRequest = Callable[[Any], str | None]
+#: How far back another key with the same business identity counts (10 minutes).
+DEFAULT_SAME_REQUEST_WINDOW = 600.0
+
+log = logging.getLogger("outbox.idempotency")
 
 
 def database_clock() -> datetime | None:
@@ -73,6 +88,12 @@ class Claim:
     # The key record's generation: new when the record is created, kept by a take-over,
     # gone with a purge. None only for a record written before migration 0002.
     generation: uuid.UUID | None = None
+    # The request's business identity (a hash, `business_key()`), stored with the key;
+    # and how many other keys of the scope had it within `window` when the key was
+    # written (at `complete()` in atomic mode, at the claim in phased mode).
+    business_key: str | None = None
+    window: float = DEFAULT_SAME_REQUEST_WINDOW
+    suspected_duplicates: int = 0
     _effect_counts: dict[str, int] = field(default_factory=dict)
 
     def effect_key(self, kind: str, name: str | None = None) -> str:
@@ -99,6 +120,11 @@ Connectable = Any
 Flow = Generator[Query[Any], Any, Any]
 
 
+def business_key(identity: str) -> str:
+    """The stored form of a business identity: 128 bits of its SHA-256, in hex."""
+    return hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
 def advisory_lock_id(scope: str, key: str) -> int:
     """A signed 64-bit lock id; a (2^-64) collision only gives the other key a 409."""
     digest = hashlib.sha256(f"{scope}\x00{key}".encode()).digest()
@@ -122,12 +148,47 @@ def _is_lock_timeout(exc: BaseException) -> bool:
     return sqlstate(exc) == "55P03"
 
 
+def _status_class(status: int) -> str:
+    """`2xx`, `4xx`...: a bounded label for the answered status."""
+    return f"{status // 100}xx" if 100 <= status <= 599 else "other"
+
+
+SUSPECT_EVENT = "outbox.idempotency.suspected_duplicate"
+
+
+def _suspects_found(claim: Claim, wrote: sql.KeyWrite) -> None:
+    """Report other keys of the claim's business identity; never raises, never blocks.
+
+    The other key is named only in the span event and the log line (server side), and
+    it is of the same scope by construction (the statement reads one scope).
+    """
+    claim.suspected_duplicates = wrote.suspects
+    if wrote.suspects <= 0:
+        return
+    try:
+        suspected_duplicates.add(1, {"mode": claim.mode})
+        trace.get_current_span().add_event(SUSPECT_EVENT, {
+            "outbox.idempotency.mode": claim.mode,
+            "outbox.idempotency.other_keys": wrote.suspects,
+            "outbox.idempotency.other_key": wrote.latest_key or "",
+            "outbox.idempotency.window_seconds": claim.window,
+        })
+        log.warning("suspected duplicate request: key %r in scope %r has the business "
+                    "identity of %d other key(s) from the last %g s (newest: %r)",
+                    claim.key, claim.scope, wrote.suspects, claim.window, wrote.latest_key)
+    except Exception:  # pragma: no cover - a broken exporter or handler
+        log.debug("could not report a suspected duplicate", exc_info=True)
+
+
 @dataclass(frozen=True, slots=True)
 class Result:
     """What `IdempotencyGuard.run` produced: the response, and whether it is a replay."""
 
     response: StoredResponse
     replayed: bool
+    # Other keys of the scope with the same business identity within the window (0 for
+    # a replay, or without `same_request`).
+    suspected_duplicates: int = 0
 
 
 # -- transactions on whatever the caller gave `run` --------------------------------------
@@ -199,16 +260,46 @@ class IdempotencyGuard:
     `ttl` is how long a phased claim may stay `processing` before a retry can take it
     over (longer than your slowest handler); `retention` how long a completed key is
     replayed before `outbox purge` may delete it (after which the key can run again).
+
+    `same_request` maps a request's parsed body to its business identity (a string, or
+    None for "nothing to compare"); `business_key(body)` hashes it, and a request run
+    with `business_key=` that finds other keys of its scope with the same hash created
+    within `same_request_window` seconds is a suspected duplicate: counted
+    (`outbox.idempotency.suspected_duplicates`), a span event, a WARNING on the
+    `outbox.idempotency` logger, never refused. The window is bounded by `retention`.
     """
 
     def __init__(self, *, ttl: float = 60.0, retention: float = 86_400.0,
                  retry_after: int = 1, lock_timeout_ms: int = 2_000,
-                 clock: Clock = database_clock) -> None:
+                 clock: Clock = database_clock, same_request: SameRequest | None = None,
+                 same_request_window: float = DEFAULT_SAME_REQUEST_WINDOW) -> None:
         self.ttl = ttl
         self.retention = retention
         self.retry_after = retry_after
         self.lock_timeout_ms = lock_timeout_ms
         self.clock = clock
+        self.same_request = same_request
+        self.same_request_window = same_request_window
+
+    def business_key(self, body: Any, same_request: SameRequest | None = None) -> str | None:
+        """The hash of `body`'s business identity, by `same_request` or the guard's own.
+
+        None when neither is set or it returns None. A callable that raises is logged
+        and treated as None: the signal must never fail the request it watches.
+        """
+        declare = same_request or self.same_request
+        if declare is None:
+            return None
+        try:
+            identity = declare(body)
+        except Exception:
+            log.warning("same_request raised; this request is not checked for duplicates",
+                        exc_info=True)
+            return None
+        return None if identity is None else business_key(str(identity))
+
+    def _window(self, same_request_window: float | None) -> float:
+        return self.same_request_window if same_request_window is None else same_request_window
 
     # -- the protocol, once ------------------------------------------------------------
 
@@ -218,8 +309,9 @@ class IdempotencyGuard:
             idempotency_requests.add(1, {"outcome": "mismatch"})
             raise KeyReused("this Idempotency-Key was used with a different request")
         if row.status == "completed":
-            idempotency_requests.add(1, {"outcome": "replayed"})
             assert row.response_status is not None
+            idempotency_requests.add(1, {"outcome": "replayed",
+                                         "status_class": _status_class(row.response_status)})
             return StoredResponse(
                 status=row.response_status,
                 headers=tuple((k, v) for k, v in (row.response_headers or [])),
@@ -230,14 +322,15 @@ class IdempotencyGuard:
         idempotency_requests.add(1, {"outcome": "in_progress"})
         raise RequestInProgress(retry_after=self.retry_after)
 
-    def _begin(self, scope: str, key: str, fingerprint: str) -> Flow:
+    def _begin(self, scope: str, key: str, fingerprint: str, business: str | None = None,
+               window: float = DEFAULT_SAME_REQUEST_WINDOW) -> Flow:
         if not (yield sql.try_lock_key(advisory_lock_id(scope, key))):
             idempotency_requests.add(1, {"outcome": "in_progress"})
             raise RequestInProgress(retry_after=self.retry_after)
         row = yield sql.get_key(scope, key, now=self.clock())
         if row is None:
             return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(),
-                         generation=uuid.uuid4())
+                         generation=uuid.uuid4(), business_key=business, window=window)
         cached = self._check_existing(row, fingerprint)
         if cached is not None:
             return cached
@@ -248,11 +341,20 @@ class IdempotencyGuard:
             raise RequestInProgress(retry_after=self.retry_after)
         idempotency_requests.add(1, {"outcome": "taken_over"})
         return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(), taken_over=True,
-                     generation=row.generation)
+                     generation=row.generation, business_key=business, window=window)
 
     def _complete(self, claim: Claim, response: StoredResponse) -> Flow:
         now = self.clock()
-        if claim.mode == "atomic":
+        if claim.mode == "atomic" and claim.business_key is not None:
+            wrote: sql.KeyWrite = yield sql.insert_completed_key_with_suspects(
+                scope=claim.scope, key=claim.key, fingerprint=claim.fingerprint,
+                status=response.status, headers=response.header_list(), body=response.body,
+                retention_seconds=self.retention, generation=claim.generation,
+                business_hash=claim.business_key, window_seconds=claim.window, now=now)
+            stored = wrote.written
+            if stored:
+                _suspects_found(claim, wrote)
+        elif claim.mode == "atomic":
             stored = yield sql.insert_completed_key(
                 scope=claim.scope, key=claim.key, fingerprint=claim.fingerprint,
                 status=response.status, headers=response.header_list(), body=response.body,
@@ -266,9 +368,11 @@ class IdempotencyGuard:
             idempotency_requests.add(1, {"outcome": "claim_lost"})
             raise ClaimLost("the idempotency key was taken over; this request's work "
                             "must roll back")
-        idempotency_requests.add(1, {"outcome": "executed"})
+        idempotency_requests.add(1, {"outcome": "executed",
+                                     "status_class": _status_class(response.status)})
 
-    def _claim(self, scope: str, key: str, fingerprint: str) -> Flow:
+    def _claim(self, scope: str, key: str, fingerprint: str, business: str | None = None,
+               window: float = DEFAULT_SAME_REQUEST_WINDOW) -> Flow:
         token, generation = uuid.uuid4(), uuid.uuid4()
         try:
             yield sql.set_local_lock_timeout(self.lock_timeout_ms)
@@ -276,10 +380,21 @@ class IdempotencyGuard:
                 idempotency_requests.add(1, {"outcome": "in_progress"})
                 raise RequestInProgress(retry_after=self.retry_after)
             now = self.clock()
-            if (yield sql.claim_key(scope=scope, key=key, fingerprint=fingerprint,
-                                    token=token, ttl_seconds=self.ttl,
-                                    retention_seconds=self.retention,
-                                    generation=generation, now=now)):
+            if business is not None:
+                wrote: sql.KeyWrite = yield sql.claim_key_with_suspects(
+                    scope=scope, key=key, fingerprint=fingerprint, token=token,
+                    ttl_seconds=self.ttl, retention_seconds=self.retention,
+                    generation=generation, business_hash=business, window_seconds=window,
+                    now=now)
+                if wrote.written:
+                    claim = Claim(scope, key, fingerprint, "phased", token,
+                                  generation=generation, business_key=business, window=window)
+                    _suspects_found(claim, wrote)
+                    return claim
+            elif (yield sql.claim_key(scope=scope, key=key, fingerprint=fingerprint,
+                                      token=token, ttl_seconds=self.ttl,
+                                      retention_seconds=self.retention,
+                                      generation=generation, now=now)):
                 return Claim(scope, key, fingerprint, "phased", token, generation=generation)
             row = yield sql.get_key(scope, key, now=now)
             if row is None:  # purged between the insert and the read
@@ -292,7 +407,7 @@ class IdempotencyGuard:
             if taken:
                 idempotency_requests.add(1, {"outcome": "taken_over"})
                 return Claim(scope, key, fingerprint, "phased", token, taken_over=True,
-                             generation=kept)
+                             generation=kept, business_key=business, window=window)
             idempotency_requests.add(1, {"outcome": "in_progress"})
             raise RequestInProgress(retry_after=self.retry_after)
         except Exception as exc:
@@ -309,22 +424,27 @@ class IdempotencyGuard:
 
     # -- atomic mode, inside the caller's transaction ------------------------------------
 
-    def begin(self, target: Connectable, scope: str, key: str, fingerprint: str
+    def begin(self, target: Connectable, scope: str, key: str, fingerprint: str, *,
+              business_key: str | None = None, same_request_window: float | None = None
               ) -> Claim | StoredResponse:
         """Atomic mode, inside the caller's transaction: a Claim, or the cached answer.
 
         `target` is any handle of the driver seam (psycopg Connection, SQLAlchemy
         Connection/Session/scoped_session, Django's connection). Raises
         RequestInProgress (a twin holds the key) or KeyReused (another request).
+        `business_key` (from `business_key(body)`) is stored with the key by
+        `complete()`, which sets `claim.suspected_duplicates`.
         """
-        result: Claim | StoredResponse = drive(target, self._begin(scope, key, fingerprint))
+        result: Claim | StoredResponse = drive(target, self._begin(
+            scope, key, fingerprint, business_key, self._window(same_request_window)))
         return result
 
-    async def abegin(self, target: Connectable, scope: str, key: str, fingerprint: str
+    async def abegin(self, target: Connectable, scope: str, key: str, fingerprint: str, *,
+                     business_key: str | None = None, same_request_window: float | None = None
                      ) -> Claim | StoredResponse:
         """`begin` on an async handle (psycopg AsyncConnection, SQLAlchemy async)."""
-        result: Claim | StoredResponse = await adrive(
-            target, self._begin(scope, key, fingerprint))
+        result: Claim | StoredResponse = await adrive(target, self._begin(
+            scope, key, fingerprint, business_key, self._window(same_request_window)))
         return result
 
     def complete(self, target: Connectable, claim: Claim, response: StoredResponse) -> None:
@@ -341,22 +461,26 @@ class IdempotencyGuard:
 
     # -- phased mode -----------------------------------------------------------------
 
-    def claim(self, engine: Any, scope: str, key: str, fingerprint: str
+    def claim(self, engine: Any, scope: str, key: str, fingerprint: str, *,
+              business_key: str | None = None, same_request_window: float | None = None
               ) -> Claim | StoredResponse:
         """Phased mode: commit a `processing` claim in its own short transaction.
 
         `engine`: a SQLAlchemy Engine or a psycopg Connection (not in a transaction).
+        With `business_key` the claim stores it and sets `suspected_duplicates`.
         """
         with _transaction(engine, read_committed=True) as conn:
-            result: Claim | StoredResponse = drive(conn, self._claim(scope, key, fingerprint))
+            result: Claim | StoredResponse = drive(conn, self._claim(
+                scope, key, fingerprint, business_key, self._window(same_request_window)))
             return result
 
-    async def aclaim(self, engine: Any, scope: str, key: str, fingerprint: str
+    async def aclaim(self, engine: Any, scope: str, key: str, fingerprint: str, *,
+                     business_key: str | None = None, same_request_window: float | None = None
                      ) -> Claim | StoredResponse:
         """`claim` on a SQLAlchemy AsyncEngine or a psycopg AsyncConnection."""
         async with _atransaction(engine, read_committed=True) as conn:
-            result: Claim | StoredResponse = await adrive(
-                conn, self._claim(scope, key, fingerprint))
+            result: Claim | StoredResponse = await adrive(conn, self._claim(
+                scope, key, fingerprint, business_key, self._window(same_request_window)))
             return result
 
     def release(self, engine: Any, claim: Claim) -> bool:
@@ -384,6 +508,8 @@ class IdempotencyGuard:
         *,
         mode: Mode = "atomic",
         prepare: Callable[[Claim], None] | None = None,
+        business_key: str | None = None,
+        same_request_window: float | None = None,
     ) -> Result:
         """Run `work` at most once per key and return its (possibly replayed) response.
 
@@ -392,20 +518,25 @@ class IdempotencyGuard:
         rows and `enqueue(conn, ..., claim=claim)` effects; it must not commit. In
         phased mode `prepare(claim)` runs first, outside any transaction, for outside
         I/O. A serialization failure or deadlock retries the transaction (at most 5
-        tries); any other exception releases the claim.
+        tries); any other exception releases the claim. `business_key` (from
+        `business_key(body)`): see the class; `Result.suspected_duplicates` tells.
         """
         if mode == "atomic":
             for attempt in Retrying(**_retrying()):
                 with attempt, _transaction(engine) as conn:
-                    begun = self.begin(conn, scope, key, fingerprint)
+                    begun = self.begin(conn, scope, key, fingerprint,
+                                       business_key=business_key,
+                                       same_request_window=same_request_window)
                     if isinstance(begun, StoredResponse):
                         return Result(begun, replayed=True)
                     response = work(conn, begun)
                     self.complete(conn, begun, response)
-                    return Result(response, replayed=False)
+                    return Result(response, replayed=False,
+                                  suspected_duplicates=begun.suspected_duplicates)
             raise AssertionError("unreachable")  # pragma: no cover
 
-        claimed = self.claim(engine, scope, key, fingerprint)
+        claimed = self.claim(engine, scope, key, fingerprint, business_key=business_key,
+                             same_request_window=same_request_window)
         if isinstance(claimed, StoredResponse):
             return Result(claimed, replayed=True)
         try:
@@ -417,7 +548,8 @@ class IdempotencyGuard:
                     with _transaction(engine) as conn:
                         response = work(conn, claimed)
                         self.complete(conn, claimed, response)
-                    return Result(response, replayed=False)
+                    return Result(response, replayed=False,
+                                  suspected_duplicates=claimed.suspected_duplicates)
             raise AssertionError("unreachable")  # pragma: no cover
         except ClaimLost:
             raise
@@ -435,6 +567,8 @@ class IdempotencyGuard:
         *,
         mode: Mode = "atomic",
         prepare: Callable[[Claim], Awaitable[None]] | None = None,
+        business_key: str | None = None,
+        same_request_window: float | None = None,
     ) -> Result:
         """`run` for async code: `engine` is a SQLAlchemy AsyncEngine (work gets an
         AsyncConnection) or a psycopg AsyncConnection; `work` and `prepare` are awaited."""
@@ -442,15 +576,20 @@ class IdempotencyGuard:
             async for attempt in AsyncRetrying(**_retrying()):
                 with attempt:
                     async with _atransaction(engine) as conn:
-                        begun = await self.abegin(conn, scope, key, fingerprint)
+                        begun = await self.abegin(
+                            conn, scope, key, fingerprint, business_key=business_key,
+                            same_request_window=same_request_window)
                         if isinstance(begun, StoredResponse):
                             return Result(begun, replayed=True)
                         response = await work(conn, begun)
                         await self.acomplete(conn, begun, response)
-                        return Result(response, replayed=False)
+                        return Result(response, replayed=False,
+                                      suspected_duplicates=begun.suspected_duplicates)
             raise AssertionError("unreachable")  # pragma: no cover
 
-        claimed = await self.aclaim(engine, scope, key, fingerprint)
+        claimed = await self.aclaim(engine, scope, key, fingerprint,
+                                    business_key=business_key,
+                                    same_request_window=same_request_window)
         if isinstance(claimed, StoredResponse):
             return Result(claimed, replayed=True)
         try:
@@ -462,7 +601,8 @@ class IdempotencyGuard:
                     async with _atransaction(engine) as conn:
                         response = await work(conn, claimed)
                         await self.acomplete(conn, claimed, response)
-                    return Result(response, replayed=False)
+                    return Result(response, replayed=False,
+                                  suspected_duplicates=claimed.suspected_duplicates)
             raise AssertionError("unreachable")  # pragma: no cover
         except ClaimLost:
             raise

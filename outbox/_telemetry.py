@@ -20,6 +20,14 @@ idempotency_requests = meter.create_counter(
     description="Guarded requests by outcome: executed, replayed, in_progress, "
     "mismatch, taken_over, claim_lost, released",
 )
+# Issue 15: requests whose business identity (`same_request=`) matched another key of
+# the same scope within the window. One label, `mode` (atomic | phased): the scope and
+# the keys are unbounded and stay in the span event and the log line.
+suspected_duplicates = meter.create_counter(
+    "outbox.idempotency.suspected_duplicates",
+    description="Guarded requests whose business identity matched another key of the "
+    "same scope within the window (a client making up a new key per retry), by mode",
+)
 effects_enqueued = meter.create_counter(
     "outbox.effects.enqueued", description="Effects written by enqueue(), by kind and result")
 deliveries = meter.create_counter(
@@ -33,6 +41,10 @@ delivery_lag = meter.create_histogram(
     "outbox.delivery.lag", unit="s", description="Enqueue-to-delivered time")
 inbox_events = meter.create_counter(
     "outbox.inbox.events", description="Ingested events by source and outcome")
+inbox_write_duration = meter.create_histogram(
+    "outbox.inbox.write.duration", unit="s",
+    description="Time of one ingest() / ingest_many() call in the caller's transaction "
+    "(lock waits included, commit not), by source")
 
 # `source` on the inbox metrics comes from the sender (a URL path segment): a name
 # becomes a series only once code registered it, every other name is counted as

@@ -54,6 +54,13 @@ body`, no size), so a replay tells the client to fetch the resource. An empty bo
 
 Errors raised by `work` roll the transaction back and are not stored (validation
 failures are never cached); a response `work` returns, 4xx included, is stored.
+
+The same business request under another key (issue 15): `same_request=` maps the
+validated body to its business identity (for a payment: customer, amount, currency);
+a first execution whose identity another key of the same scope had within
+`same_request_window` is counted and logged by the guard, and with
+`suspect_header=True` answered with `Idempotency-Suspected-Duplicate: <n>` (how many
+other keys, of this client's own scope only). The request itself is never refused.
 """
 
 from __future__ import annotations
@@ -109,6 +116,7 @@ __all__ = [
     "OMITTED_HEADER",
     "PROBLEM_MEDIA_TYPE",
     "REPLAYED_HEADER",
+    "SUSPECTED_DUPLICATE_HEADER",
     "Idempotency",
     "IdempotentRequest",
     "InvalidTenant",
@@ -136,6 +144,9 @@ M = TypeVar("M")
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 REPLAYED_HEADER = "Idempotent-Replayed"
 OMITTED_HEADER = "Idempotent-Replay-Omitted"
+#: Opt-in (`suspect_header=True`): on a first execution, how many other keys of the same
+#: scope carried the same business request within the window. Never stored or replayed.
+SUSPECTED_DUPLICATE_HEADER = "Idempotency-Suspected-Duplicate"
 DEFAULT_MAX_STORED_BODY = 1_048_576
 DEFAULT_STORED_HEADERS: tuple[str, ...] = (
     "content-type", "content-language", "content-location", "location", "etag",
@@ -543,6 +554,11 @@ class Idempotency(Generic[M]):
     for any JSON object); schema errors are a 422 with the pydantic `errors`. The
     engine defaults to `request.app.state.engine`. Use `openapi` as the route's
     `openapi_extra` so the documented body, header and errors match the behaviour.
+
+    `same_request(body) -> str | None` (default: the guard's own `same_request`) names
+    the request's business identity; `same_request_window` seconds (default: the
+    guard's) is how far back another key with it counts; `suspect_header` adds
+    `Idempotency-Suspected-Duplicate` to such answers. See the module docstring.
     """
 
     def __init__(
@@ -558,6 +574,9 @@ class Idempotency(Generic[M]):
         stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
         fingerprint_headers: Iterable[str] = (),
         store_body: bool | StoreBody = True,
+        same_request: Callable[[M], str | None] | None = None,
+        same_request_window: float | None = None,
+        suspect_header: bool = False,
     ) -> None:
         self.model = model
         self.adapter: TypeAdapter[M] = TypeAdapter(model)
@@ -572,6 +591,9 @@ class Idempotency(Generic[M]):
             raise ConfigurationError("store_body takes True, False or a predicate")
         self.store_body = store_body
         self.fingerprint_headers = tuple(h.lower() for h in fingerprint_headers)
+        self.same_request = same_request
+        self.same_request_window = same_request_window
+        self.suspect_header = suspect_header
 
     @property
     def stored_headers(self) -> frozenset[str]:
@@ -604,7 +626,8 @@ class Idempotency(Generic[M]):
         digest = fingerprint(request.method, _request_path(request), document, headers)
         return IdempotentRequest(key=key, scope=scope, fingerprint=digest, body=body,
                                  document=document, engine=self._engine(request),
-                                 config=self)
+                                 config=self,
+                                 business_key=self.guard.business_key(body, self.same_request))
 
     def _engine(self, request: Request) -> Engine:
         if isinstance(self.engine, Engine):
@@ -717,6 +740,13 @@ class Idempotency(Generic[M]):
             json.dumps(note, separators=(",", ":")).encode())
 
 
+def _flag_suspect(response: Response, config: Idempotency[Any], suspects: int) -> Response:
+    """The opt-in header on a first execution that matched other keys; never stored."""
+    if config.suspect_header and suspects > 0:
+        response.headers[SUSPECTED_DUPLICATE_HEADER] = str(suspects)
+    return response
+
+
 def to_response(stored: StoredResponse, *, replayed: bool) -> Response:
     """Build the HTTP response from the stored form (the same bytes every time)."""
     response = Response(content=stored.body, status_code=stored.status)
@@ -757,6 +787,8 @@ class IdempotentRequest(Generic[M]):
     document: Any
     engine: Engine
     config: Idempotency[M]
+    # The hash of the body's business identity (`same_request`), if one is declared.
+    business_key: str | None = None
 
     def run(self, work: Work) -> Response:
         """Run `work(conn, claim)` at most once for this key; blocking (use in `def`).
@@ -776,7 +808,8 @@ class IdempotentRequest(Generic[M]):
 
         try:
             result = cfg.guard.run(self.engine, self.scope, self.key, self.fingerprint,
-                                   guarded, mode=cfg.mode)
+                                   guarded, mode=cfg.mode, business_key=self.business_key,
+                                   same_request_window=cfg.same_request_window)
         except IdempotencyConflict as exc:
             raise Problem.from_error(exc) from None
         except DBAPIError as exc:
@@ -790,7 +823,7 @@ class IdempotentRequest(Generic[M]):
         response = to_response(full, replayed=False)
         if isinstance(original, Response):
             response.background = original.background  # runs once, after the first answer
-        return response
+        return _flag_suspect(response, cfg, result.suspected_duplicates)
 
     async def arun(self, work: Work) -> Response:
         """`run` in a worker thread, for `async def` endpoints."""
@@ -831,8 +864,10 @@ class IdempotentRequest(Generic[M]):
             for attempt in Retrying(**_retrying()):
                 with attempt:
                     try:
-                        begun = cfg.guard.begin(handle, self.scope, self.key,
-                                                self.fingerprint)
+                        begun = cfg.guard.begin(
+                            handle, self.scope, self.key, self.fingerprint,
+                            business_key=self.business_key,
+                            same_request_window=cfg.same_request_window)
                         if isinstance(begun, StoredResponse):
                             handle.commit()
                             return self._finish(Result(begun, replayed=True), sent)
@@ -845,7 +880,8 @@ class IdempotentRequest(Generic[M]):
                         handle.rollback()
                         raise
                     sent[:] = [(full, original)]
-                    return self._finish(Result(stored, replayed=False), sent)
+                    return _flag_suspect(self._finish(Result(stored, replayed=False), sent),
+                                         cfg, begun.suspected_duplicates)
         except Exception as exc:
             mapped = self._problem(exc)
             if mapped is exc:
@@ -862,8 +898,10 @@ class IdempotentRequest(Generic[M]):
             async for attempt in AsyncRetrying(**_retrying()):
                 with attempt:
                     try:
-                        begun = await cfg.guard.abegin(handle, self.scope, self.key,
-                                                       self.fingerprint)
+                        begun = await cfg.guard.abegin(
+                            handle, self.scope, self.key, self.fingerprint,
+                            business_key=self.business_key,
+                            same_request_window=cfg.same_request_window)
                         if isinstance(begun, StoredResponse):
                             await handle.commit()
                             return self._finish(Result(begun, replayed=True), sent)
@@ -876,7 +914,8 @@ class IdempotentRequest(Generic[M]):
                         await handle.rollback()
                         raise
                     sent[:] = [(full, original)]
-                    return self._finish(Result(stored, replayed=False), sent)
+                    return _flag_suspect(self._finish(Result(stored, replayed=False), sent),
+                                         cfg, begun.suspected_duplicates)
         except Exception as exc:
             mapped = self._problem(exc)
             if mapped is exc:

@@ -118,6 +118,85 @@ def _returned(result: Result) -> bool:
     return bool(result.rows)
 
 
+# The same business request under another key (issue 15): the statement that writes a
+# key with a business hash also reads the newest other keys of its scope with that hash
+# inside the window, so noticing them costs no round trip. The read runs on the
+# statement's snapshot: keys committed before it are seen (never our own row, and not
+# a concurrent request's uncommitted one). It never locks or refuses anything.
+_SUSPECTS = f"""
+    suspects AS (
+        SELECT key, created_at FROM outbox.idempotency_keys
+         WHERE scope = :scope AND business_hash = :business_hash
+           AND created_at >= {_NOW} - make_interval(secs => :window)
+           AND key <> :key
+         ORDER BY created_at DESC
+         LIMIT :cap)
+    SELECT EXISTS (SELECT 1 FROM written) AS written,
+           (SELECT count(*) FROM suspects) AS suspects,
+           (SELECT key FROM suspects ORDER BY created_at DESC LIMIT 1) AS latest_key
+"""
+
+#: At most this many other keys are counted (and read) per write.
+SUSPECTS_CAP = 100
+
+
+@dataclass(frozen=True, slots=True)
+class KeyWrite:
+    """A key write that also looked for the same business request under other keys."""
+
+    written: bool
+    suspects: int             # other keys of the scope with the hash (at most the cap)
+    latest_key: str | None    # the newest of them (same scope only)
+
+
+def _key_write(result: Result) -> KeyWrite:
+    row = result.one()
+    return KeyWrite(bool(row.written), int(row.suspects), row.latest_key)
+
+
+_INSERT_COMPLETED_WITH_SUSPECTS = sql(
+    f"""
+    WITH written AS (
+        INSERT INTO outbox.idempotency_keys
+               (scope, key, fingerprint, status, response_status, response_headers,
+                response_body, created_at, completed_at, expires_at, generation,
+                business_hash)
+        VALUES (:scope, :key, :fingerprint, 'completed', :status, :headers, :body,
+                {_NOW}, {_NOW}, {_NOW} + make_interval(secs => :retention), :generation,
+                :business_hash)
+        ON CONFLICT (scope, key) DO NOTHING
+        RETURNING 1),
+    {_SUSPECTS}
+    """
+)
+
+
+def insert_completed_key_with_suspects(
+    *,
+    scope: str,
+    key: str,
+    fingerprint: str,
+    status: int,
+    headers: list[list[str]],
+    body: bytes,
+    retention_seconds: float,
+    generation: uuid.UUID | None,
+    business_hash: str,
+    window_seconds: float,
+    cap: int = SUSPECTS_CAP,
+    now: datetime | None = None,
+) -> Query[KeyWrite]:
+    """`insert_completed_key` storing `business_hash`, and in the same statement the
+    other keys of `scope` with that hash created within `window_seconds`."""
+    params: dict[str, Any] = {
+        "scope": scope, "key": key, "fingerprint": fingerprint, "status": status,
+        "headers": Jsonb(headers), "body": body, "retention": retention_seconds,
+        "generation": generation, "business_hash": business_hash,
+        "window": window_seconds, "cap": cap, "now": now,
+    }
+    return Query(_INSERT_COMPLETED_WITH_SUSPECTS, params, _key_write)
+
+
 _CLAIM = sql(
     f"""
     INSERT INTO outbox.idempotency_keys
@@ -154,6 +233,46 @@ def claim_key(
         "now": now,
     }
     return Query(_CLAIM, params, _returned)
+
+
+_CLAIM_WITH_SUSPECTS = sql(
+    f"""
+    WITH written AS (
+        INSERT INTO outbox.idempotency_keys
+               (scope, key, fingerprint, status, lock_token, locked_at, lock_expires_at,
+                created_at, expires_at, generation, business_hash)
+        VALUES (:scope, :key, :fingerprint, 'processing', :token, {_NOW},
+                {_NOW} + make_interval(secs => :ttl), {_NOW},
+                {_NOW} + make_interval(secs => :retention), :generation, :business_hash)
+        ON CONFLICT (scope, key) DO NOTHING
+        RETURNING 1),
+    {_SUSPECTS}
+    """
+)
+
+
+def claim_key_with_suspects(
+    *,
+    scope: str,
+    key: str,
+    fingerprint: str,
+    token: uuid.UUID,
+    ttl_seconds: float,
+    retention_seconds: float,
+    generation: uuid.UUID,
+    business_hash: str,
+    window_seconds: float,
+    cap: int = SUSPECTS_CAP,
+    now: datetime | None = None,
+) -> Query[KeyWrite]:
+    """`claim_key` storing `business_hash`, and in the same statement the other keys of
+    `scope` with that hash created within `window_seconds`."""
+    params = {
+        "scope": scope, "key": key, "fingerprint": fingerprint, "token": token,
+        "ttl": ttl_seconds, "retention": retention_seconds, "generation": generation,
+        "business_hash": business_hash, "window": window_seconds, "cap": cap, "now": now,
+    }
+    return Query(_CLAIM_WITH_SUSPECTS, params, _key_write)
 
 
 _TAKE_OVER = sql(
