@@ -8,6 +8,13 @@ per `ttl` seconds per process, however many gauges or readers collect meanwhile.
 
 The values are database-wide, so every worker process reports the same numbers (one
 series per `service.instance.id`): aggregate with `max()`, never `sum()`, in queries.
+The same snapshot reads the lock waits on our tables from `pg_locks` (issue 15:
+`outbox.db.lock_waits`, `outbox.db.lock_wait_age`, per table; outbox/sql/locks.py).
+
+Pool occupancy is per process: `instrument_pool(engine)` attaches the maintained
+OpenTelemetry SQLAlchemy instrumentation (the `otel` extra), which exports
+`db.client.connections.usage` (idle / used), and registers `db.client.connections.max`
+(the pool's size + overflow) beside it, so a panel can show used / max.
 
 `configure_metrics()` installs an SDK MeterProvider when `OTEL_METRICS_EXPORTER` is
 `otlp` (to `OTEL_EXPORTER_OTLP_ENDPOINT`, the compose file's collector) or `console`;
@@ -20,8 +27,9 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
@@ -37,8 +45,10 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox import _telemetry
+from outbox._schema import metadata
 from outbox.sql import effects as fx
 from outbox.sql import keys as kx
+from outbox.sql import locks as lx
 
 log = logging.getLogger("outbox.metrics")
 
@@ -53,6 +63,13 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
                     60.0)
 LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
                3600.0, 21600.0, 86400.0)
+#: Inbox writes take a millisecond or two alone and tens to hundreds under a hot key
+#: (docs/benchmarks.md): finer at the bottom than DURATION_BUCKETS, so p50/p95/p99 of a
+#: quiet source do not all land in the first bucket.
+WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0, 30.0)
+#: The tables lock waits are reported for (a bounded `table` label).
+LOCK_TABLES = tuple(sorted(t.name for t in metadata.tables.values()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,14 +82,17 @@ class QueueSnapshot:
     expired_leases: int
     stale_processing_keys: int
     taken_at: float  # monotonic
+    # Per table of ours: sessions waiting for a lock, and the longest wait (seconds).
+    lock_waits: dict[str, lx.LockWaits] = field(default_factory=dict)
 
 
 def read_snapshot(engine: Engine, *, taken_at: float | None = None) -> QueueSnapshot:
-    """Query the database once (three short statements on one connection)."""
+    """Query the database once (four short statements on one connection)."""
     with engine.connect() as conn:
         counts = fx.count_effects(conn)
         health = fx.effect_health(conn)
         keys = kx.count_keys().run(conn)  # stale by each claim's own TTL
+        waits = lx.lock_waits().run(conn)
     return QueueSnapshot(
         effects={s: int(counts.get(s, 0)) for s in GAUGE_STATUSES},
         due=int(health["due"]),
@@ -80,6 +100,7 @@ def read_snapshot(engine: Engine, *, taken_at: float | None = None) -> QueueSnap
         expired_leases=int(health["expired_leases"]),
         stale_processing_keys=int(keys["stale_processing"]),
         taken_at=time.monotonic() if taken_at is None else taken_at,
+        lock_waits=waits,
     )
 
 
@@ -120,6 +141,15 @@ class QueueGauges:
             "outbox.idempotency.stale_processing", callbacks=[self._observe_stale],
             unit="{key}",
             description="Idempotency keys in processing for longer than the claim TTL")
+        m.create_observable_gauge(
+            "outbox.db.lock_waits", callbacks=[self._observe_lock_waits],
+            unit="{session}",
+            description="Sessions waiting for a lock on an outbox table right now "
+            "(pg_locks), by table")
+        m.create_observable_gauge(
+            "outbox.db.lock_wait_age", callbacks=[self._observe_lock_wait_age], unit="s",
+            description="How long the longest current lock wait on an outbox table has "
+            "lasted (0 when none), by table")
 
     def snapshot(self) -> QueueSnapshot | None:
         """The cached snapshot, refreshed when older than `ttl`; None if unreadable."""
@@ -163,6 +193,22 @@ class QueueGauges:
         snap = self.snapshot()
         return [] if snap is None else [Observation(snap.stale_processing_keys)]
 
+    def _observe_lock_waits(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        if snap is None:
+            return []
+        none = lx.LockWaits(0, 0.0)
+        return [Observation(snap.lock_waits.get(t, none).sessions, {"table": t})
+                for t in LOCK_TABLES]
+
+    def _observe_lock_wait_age(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        if snap is None:
+            return []
+        none = lx.LockWaits(0, 0.0)
+        return [Observation(snap.lock_waits.get(t, none).longest_seconds, {"table": t})
+                for t in LOCK_TABLES]
+
 
 _lock = threading.Lock()
 _process_gauges: QueueGauges | None = None
@@ -174,16 +220,110 @@ def register_queue_gauges(engine: Engine, *, ttl: float = DEFAULT_TTL,
 
     The values are database-wide, so a second call (another queue's dispatcher in the
     same process) returns the gauges already registered. With `meter_provider`, a new
-    set is registered on that provider (tests use their own reader this way).
+    set is registered on that provider (tests use their own reader this way). On the
+    global meter, the engine's pool occupancy is exported too (`instrument_pool`).
     """
     global _process_gauges
     if meter_provider is not None:
         return QueueGauges(engine, ttl=ttl,
                            meter=meter_provider.get_meter("outbox"))
+    instrument_pool(engine)
     with _lock:
         if _process_gauges is None:
             _process_gauges = QueueGauges(engine, ttl=ttl)
         return _process_gauges
+
+
+# -- pool occupancy --------------------------------------------------------------------
+#
+# Why the maintained instrumentation, and how (tried in issue 15): it works on our
+# engines once given the engine itself, `instrument(engine=...)`; its global hook wraps
+# `sqlalchemy.create_engine`, which `outbox.make_engine` imported before any hook could
+# wrap it, so engines must be passed explicitly. `instrument()` is once per process (a
+# second call is refused with a warning), so one engine per process is reported; that
+# covers `outbox worker`, a Celery child serving one queue and an API with one engine.
+# It counts connections from pool events (connect/checkout/checkin/close), so it must
+# be attached before the engine's first connection to start right. It exports no pool
+# size, hence `db.client.connections.max` here. Statement spans are not wanted (our own
+# spans cover the library; a span per claim statement is worker CPU): it gets a no-op
+# tracer provider.
+
+#: What the instrumentation exports (an UpDownCounter, unit "connections", by `state`
+#: idle | used and `pool.name`); tests/test_ops.py checks it against the package.
+POOL_USAGE_INSTRUMENT = "db.client.connections.usage"
+
+
+def pool_name(engine: Engine) -> str:
+    """The `pool.name` label the instrumentation gives `engine` (no password in it)."""
+    logging_name = getattr(engine.pool, "logging_name", None)
+    if logging_name:
+        return str(logging_name)
+    url = engine.url
+    return f"{url.drivername or ''}://{url.host or ''}:{url.port or ''}/{url.database or ''}"
+
+
+class PoolLimits:
+    """`db.client.connections.max`: size + max overflow of each instrumented pool."""
+
+    def __init__(self, meter: Meter) -> None:
+        self._engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+        meter.create_observable_gauge(
+            "db.client.connections.max", callbacks=[self._observe], unit="{connection}",
+            description="The most connections the pool opens (pool_size + max_overflow), "
+            "by pool.name, beside db.client.connections.usage")
+
+    def add(self, engine: Engine) -> None:
+        self._engines.add(engine)
+
+    def _observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        out = []
+        for engine in list(self._engines):
+            size = getattr(engine.pool, "size", None)
+            overflow = getattr(engine.pool, "_max_overflow", None)  # QueuePool only
+            if callable(size) and isinstance(overflow, int) and overflow >= 0:
+                out.append(Observation(int(size()) + overflow, {"pool.name": pool_name(engine)}))
+        return out
+
+
+_pool_lock = threading.Lock()
+_pool_limits: dict[int, PoolLimits] = {}  # by id of the meter provider (None: global)
+_pooled: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def instrument_pool(engine: Engine, *, meter_provider: MeterProvider | None = None) -> bool:
+    """Export `engine`'s pool occupancy: True if it is (now or already) reported.
+
+    Needs `opentelemetry-instrumentation-sqlalchemy` (`pip install pg-outbox[otel]`);
+    without it, or when another engine of this process is already instrumented, it logs
+    why at INFO and returns False. Call it before the engine's first connection.
+    """
+    try:
+        from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor
+        from opentelemetry.trace import NoOpTracerProvider
+    except ImportError:
+        log.info("pool occupancy is not exported: install pg-outbox[otel] "
+                 "(opentelemetry-instrumentation-sqlalchemy)")
+        return False
+    with _pool_lock:
+        instrumentor = SQLAlchemyInstrumentor()
+        if instrumentor.is_instrumented_by_opentelemetry:
+            if engine in _pooled:
+                return True
+            log.info("pool occupancy of %s is not exported: the SQLAlchemy instrumentation "
+                     "reports one engine per process", pool_name(engine))
+            return False
+        instrumentor.instrument(engine=engine, meter_provider=meter_provider,
+                                tracer_provider=NoOpTracerProvider())
+        slot = id(meter_provider) if meter_provider is not None else 0
+        limits = _pool_limits.get(slot)
+        if limits is None:
+            meter = (meter_provider.get_meter("outbox") if meter_provider is not None
+                     else _telemetry.meter)
+            limits = _pool_limits[slot] = PoolLimits(meter)
+        limits.add(engine)
+        _pooled.clear()  # an earlier engine's instrumentation was removed (uninstrument)
+        _pooled.add(engine)
+        return True
 
 
 def histogram_views() -> list[View]:
@@ -193,6 +333,8 @@ def histogram_views() -> list[View]:
              aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS)),
         View(instrument_name="outbox.delivery.lag",
              aggregation=ExplicitBucketHistogramAggregation(LAG_BUCKETS)),
+        View(instrument_name="outbox.inbox.write.duration",
+             aggregation=ExplicitBucketHistogramAggregation(WRITE_BUCKETS)),
     ]
 
 
