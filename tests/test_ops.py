@@ -5,6 +5,8 @@ runbook. No Docker engine, Prometheus or Grafana is needed.
 The metric names the dashboard and the alerts may use are derived from the code
 (outbox/_telemetry.py, dispatcher/metrics.py) with the collector's Prometheus naming
 rules, so a renamed instrument breaks this test rather than a dashboard in production.
+The one instrument we export through maintained instrumentation (pool occupancy,
+opentelemetry-instrumentation-sqlalchemy) is read from that package by running it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ DOCUMENTED_COMMANDS = (
 REQUIRED_ALERTS = {
     "OutboxOldestDueAgeHigh", "OutboxDeadLettersGrowing", "OutboxLeaseLostSpike",
     "OutboxStaleProcessingKeys", "OutboxNeedsReview", "OutboxNoDeliveriesWhileDue",
+    # Issue 15: what the articles say to watch.
+    "OutboxIdempotencyConflictRatioHigh", "OutboxSuspectedDuplicateRequests",
+    "OutboxLockWaitsLong", "OutboxPoolSaturated", "OutboxInboxConflictShareHigh",
+    "OutboxInboxDuplicateShareHigh",
 }
+#: The dashboard row of issue 15 and what each of its panels must show.
+ARTICLES_ROW = "What the articles say to watch"
 
 
 def load_yaml(path: Path) -> Any:
@@ -90,10 +98,44 @@ def prometheus_name(name: str, unit: str, factory: str) -> str:
     return base
 
 
+def instrumentation_instruments() -> dict[str, tuple[str, str]]:
+    """{otel name: (factory, unit)} of what opentelemetry-instrumentation-sqlalchemy
+    exports for a pool, read by running it on a throwaway SQLite engine with a private
+    meter provider (instrument() is once per process: it is undone afterwards)."""
+    from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.trace import NoOpTracerProvider
+    from sqlalchemy import create_engine, text
+
+    from dispatcher.metrics import POOL_USAGE_INSTRUMENT
+
+    reader = InMemoryMetricReader()
+    instrumentor = SQLAlchemyInstrumentor()
+    instrumentor.uninstrument()
+    engine = create_engine("sqlite://")
+    instrumentor.instrument(engine=engine, meter_provider=MeterProvider(metric_readers=[reader]),
+                            tracer_provider=NoOpTracerProvider())
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        data = reader.get_metrics_data()
+        assert data is not None
+        found = {m.name: (m.unit or "", type(m.data).__name__, m.data.is_monotonic)
+                 for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    finally:
+        instrumentor.uninstrument()
+        engine.dispose()
+    assert POOL_USAGE_INSTRUMENT in found, found
+    unit, kind, monotonic = found[POOL_USAGE_INSTRUMENT]
+    assert (kind, monotonic) == ("Sum", False)  # an UpDownCounter
+    return {POOL_USAGE_INSTRUMENT: ("create_up_down_counter", unit)}
+
+
 @cache
 def emitted_instruments() -> dict[str, tuple[str, str]]:
-    """{otel name: (factory, unit)} for every instrument our code creates."""
-    found: dict[str, tuple[str, str]] = {}
+    """{otel name: (factory, unit)} for every instrument our code creates or wires up."""
+    found: dict[str, tuple[str, str]] = dict(instrumentation_instruments())
     for source in (ROOT / "outbox" / "_telemetry.py", ROOT / "dispatcher" / "metrics.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
@@ -131,14 +173,23 @@ def test_metric_names_derived_from_the_code() -> None:
     assert names["outbox_idempotency_requests_total"] == "outbox.idempotency.requests"
     assert names["outbox_queue_oldest_due_age_seconds"] == "outbox.queue.oldest_due_age"
     assert names["outbox_queue_effects"] == "outbox.queue.effects"  # {effect}: dropped
+    # Issue 15.
+    assert names["outbox_idempotency_suspected_duplicates_total"] == (
+        "outbox.idempotency.suspected_duplicates")
+    assert names["outbox_db_lock_waits"] == "outbox.db.lock_waits"
+    assert names["outbox_db_lock_wait_age_seconds"] == "outbox.db.lock_wait_age"
+    assert names["outbox_inbox_write_duration_seconds_bucket"] == "outbox.inbox.write.duration"
+    assert names["db_client_connections_usage_connections"] == "db.client.connections.usage"
+    assert names["db_client_connections_max"] == "db.client.connections.max"
     gauges = {o for o, (f, _) in emitted_instruments().items()
               if f == "create_observable_gauge"}
     assert gauges == {"outbox.queue.effects", "outbox.queue.due",
                       "outbox.queue.oldest_due_age", "outbox.queue.expired_leases",
-                      "outbox.idempotency.stale_processing"}
+                      "outbox.idempotency.stale_processing", "outbox.db.lock_waits",
+                      "outbox.db.lock_wait_age", "db.client.connections.max"}
 
 
-_METRIC = re.compile(r"\b(outbox_[a-zA-Z0-9_]+)")
+_METRIC = re.compile(r"\b((?:outbox|db_client)_[a-zA-Z0-9_]+)")
 
 
 def metrics_in(expr: str) -> set[str]:
@@ -617,7 +668,8 @@ def test_alerts_use_only_metrics_our_code_emits() -> None:
         used = metrics_in(rule["expr"])
         assert used, f"{rule['alert']} uses none of our metrics"
         assert used <= set(known), f"{rule['alert']}: unknown {used - set(known)}"
-    # Gauges are reported by every worker process alike: max(), never sum().
+    # Database-wide gauges are reported by every worker process alike: max(), never
+    # sum(). (A pool's size is per process; it is divided, never summed, anyway.)
     gauge_names = {n for n, o in known.items()
                    if emitted_instruments()[o][0] == "create_observable_gauge"}
     for rule in alert_rules():
@@ -727,6 +779,66 @@ def test_dashboard_shows_what_operators_asked_for() -> None:
                    'outbox_idempotency_requests_total{outcome="replayed"}',
                    'outbox_deliveries_total{outcome="lease_lost"}'):
         assert needle in exprs, needle
+
+
+def test_dashboard_has_the_row_the_articles_ask_for() -> None:
+    """Issue 15: one row holds every signal the two articles tell operators to watch."""
+    rows = [p for p in dashboard()["panels"] if p["type"] == "row"]
+    row = next(r for r in rows if r["title"] == ARTICLES_ROW)
+    below = sorted(r["gridPos"]["y"] for r in rows if r["gridPos"]["y"] > row["gridPos"]["y"])
+    end = below[0] if below else 10**6
+    inside = [p for p in dashboard()["panels"] if p["type"] != "row"
+              and row["gridPos"]["y"] < p["gridPos"]["y"] < end]
+    exprs = " ".join(t["expr"] for p in inside for t in p["targets"])
+    for needle in (
+        # 409 : 2xx on idempotent endpoints
+        'outbox_idempotency_requests_total{outcome=~"in_progress|claim_lost"}',
+        'status_class="2xx"',
+        # keys in processing past their TTL
+        "max(outbox_idempotency_stale_processing)",
+        # the same business request under different keys
+        "outbox_idempotency_suspected_duplicates_total",
+        # write latency p50 / p95 / p99 per source
+        *(f"histogram_quantile({q}, sum by (le, source) "
+          "(rate(outbox_inbox_write_duration_seconds_bucket" for q in ("0.5", "0.95", "0.99")),
+        # lock waits on our tables, pool occupancy
+        "max by (table) (outbox_db_lock_waits)", "outbox_db_lock_wait_age_seconds",
+        'db_client_connections_usage_connections{state="used"}',
+        "db_client_connections_max",
+        # share of conflicts and duplicates per source
+        'sum by (source) (rate(outbox_inbox_events_total{outcome="conflict"}',
+        'sum by (source) (rate(outbox_inbox_events_total{outcome="duplicate"}',
+    ):
+        assert needle in exprs, needle
+    # Every panel of the row says what it shows.
+    assert all(p["description"] for p in inside)
+
+
+def test_the_labels_the_queries_use_are_the_ones_the_code_sets() -> None:
+    """`status_class`, `mode`, `table`, `pool_name`, `state`: set by our code or the
+    instrumentation, or a query would silently match nothing."""
+    sources = "\n".join((ROOT / p).read_text() for p in (
+        "outbox/_idempotency.py", "dispatcher/metrics.py", "outbox/_inbox.py"))
+    for label in ('"status_class"', '"mode"', '{"table"', '"pool.name"', '"source"'):
+        assert label in sources, label
+    exprs = " ".join(e for _, e in all_exprs())
+    for label in ("status_class", "mode", "table", "pool_name", "state", "source"):
+        assert re.search(rf"\b{label}\b", exprs), label
+
+
+def test_bucket_boundaries_fit_the_latencies_they_measure() -> None:
+    """p50/p95/p99 need boundaries around the values: inbox writes take milliseconds."""
+    from dispatcher.metrics import DURATION_BUCKETS, WRITE_BUCKETS, histogram_views
+
+    views = {v._instrument_name for v in histogram_views()}
+    histograms = {o for o, (f, _) in emitted_instruments().items() if f in _HISTOGRAMS}
+    assert histograms <= views, f"histograms on the SDK's default buckets: {histograms - views}"
+    assert WRITE_BUCKETS[0] <= 0.001 and WRITE_BUCKETS[-1] >= 10
+    assert list(WRITE_BUCKETS) == sorted(WRITE_BUCKETS)
+    # At least three boundaries per decade between 1 ms and 1 s.
+    for low in (0.001, 0.01, 0.1):
+        assert sum(low <= b < low * 10 for b in WRITE_BUCKETS) >= 3, low
+    assert DURATION_BUCKETS[0] <= 0.005
 
 
 # --------------------------------------------------------------------------- runbook
