@@ -348,6 +348,8 @@ class IdempotentRequest:
     document: Any
     using: str
     claim: Claim | None = None
+    # The hash of the body's business identity (`same_request=`), if one is declared.
+    business_key: str | None = None
 
 
 def _request_path(request: HttpRequest) -> str:
@@ -410,6 +412,15 @@ class Idempotency:
     (read per request, so `override_settings` works): `mode`, `scope`, `using`,
     `max_body`, `max_stored_body`, `stored_headers`; `fingerprint_headers` adds request
     headers to the fingerprint.
+
+    `same_request(body) -> str | None` (the validated body; default: the guard's own)
+    declares the request's business identity, e.g. customer + amount + currency, and
+    `same_request_window` (seconds; default: the guard's, 600) how far back another key
+    of the same scope with it makes this request a suspected duplicate (issue 15):
+    counted (`outbox.idempotency.suspected_duplicates`), a span event and a WARNING on
+    the `outbox.idempotency` logger, never refused. Passed through to
+    `IdempotencyGuard` as in outbox.http's `Idempotency` (which also offers the
+    opt-in `Idempotency-Suspected-Duplicate` header).
     """
 
     def __init__(self, model: Any = None, *, serializer: Any = None, mode: Mode | None = None,
@@ -417,7 +428,9 @@ class Idempotency:
                  guard: IdempotencyGuard | None = None, max_body: int | None = None,
                  max_stored_body: int | None = None,
                  stored_headers: Iterable[str] | None = None,
-                 fingerprint_headers: Iterable[str] = ()) -> None:
+                 fingerprint_headers: Iterable[str] = (),
+                 same_request: Callable[[Any], str | None] | None = None,
+                 same_request_window: float | None = None) -> None:
         if model is not None and serializer is not None:
             raise ConfigurationError("pass model= or serializer=, not both")
         if inspect.isfunction(model) or inspect.ismethod(model):
@@ -437,6 +450,8 @@ class Idempotency:
         if self.stored_headers is not None:  # refuse Set-Cookie & co. now, not per request
             _http.Idempotency(dict, stored_headers=self.stored_headers)
         self.fingerprint_headers = tuple(h.lower() for h in fingerprint_headers)
+        self.same_request = same_request
+        self.same_request_window = same_request_window
         self._policies: dict[tuple[Any, ...], _http.Idempotency[Any]] = {}
 
     # -- settings, per request -------------------------------------------------------
@@ -483,7 +498,9 @@ class Idempotency:
         inner = _http_request(request)
         digest = fingerprint(inner.method or "POST", _request_path(inner), document, extra)
         return IdempotentRequest(key=key, scope=scope, fingerprint=digest, body=body,
-                                 document=document, using=alias(self.using or s.database))
+                                 document=document, using=alias(self.using or s.database),
+                                 business_key=self.guard().business_key(body,
+                                                                        self.same_request))
 
     def _validated(self, document: Any) -> Any:
         if self.adapter is not None:
@@ -550,7 +567,9 @@ class Idempotency:
         for attempt in self._attempts(using):
             with attempt, transaction.atomic(using=using):
                 db = outbox_db(using)
-                begun = guard.begin(db, prepared.scope, prepared.key, prepared.fingerprint)
+                begun = guard.begin(db, prepared.scope, prepared.key, prepared.fingerprint,
+                                    business_key=prepared.business_key,
+                                    same_request_window=self.same_request_window)
                 if isinstance(begun, StoredResponse):
                     outcome = (begun, True)
                 else:
@@ -579,7 +598,8 @@ class Idempotency:
         with raw.transaction():
             raw.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
             claimed = drive(outbox_db(using), guard._claim(
-                prepared.scope, prepared.key, prepared.fingerprint))
+                prepared.scope, prepared.key, prepared.fingerprint, prepared.business_key,
+                guard._window(self.same_request_window)))
         if isinstance(claimed, StoredResponse):
             return claimed, True
         prepared.claim = claimed
