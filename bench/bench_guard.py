@@ -13,8 +13,21 @@ Parts, all on the same database and the same engine:
                order row, 2 outbox rows (enqueue_many), the completed key: 1 commit
      c_phased  fingerprint + guard.run(mode="phased"): the claim commits first, then
                order row + 2 outbox rows + completion: 2 commits
+     d_detect  b_atomic with duplicate detection on (issue 15): same_request= hashes
+               customer + amount + currency, every request a different payment (the
+               usual case: nothing found)
+     e_suspect d_detect where every request is the same payment (the worst case: each
+               finds the last 100 keys of its scope, the cap)
    Per variant: requests/s, latency p50/p99 (ms), commits per request (counted by an
-   engine `commit` listener). Ratios b/a and c/a of requests/s (and of p50).
+   engine `commit` listener). Ratios b/a and c/a of requests/s (and of p50), d/b and
+   e/b (what detection costs).
+1b. Detection cost per request, one thread, no contention: --single (1000) requests
+   each of b_atomic, d_detect and e_suspect, interleaved b, d, e, b, d, e... so drift
+   hits all alike; median and mean latency, and the differences to b_atomic in ms.
+   Then the key-writing statement alone, the only one detection changes: the same
+   number of interleaved executions of insert_completed_key, and of the detecting
+   statement with a new identity and with one that finds the cap, each committed
+   (commit not timed), on one connection.
 2. Same-key storm: --storm-size (100) requests on ONE key released together by a
    barrier, --storm-rounds (5) rounds per mode: latency p50/p99/max and the mix
    (201 executed / 409 in progress / replay). The engine has --pool (50) connections,
@@ -35,6 +48,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import statistics
 import sys
 import threading
 import time
@@ -64,12 +79,27 @@ from outbox import (  # noqa: E402
     make_engine,
 )
 from outbox._config import database_url  # noqa: E402
-from outbox._idempotency import Mode  # noqa: E402
+from outbox._idempotency import Mode, business_key  # noqa: E402
 from outbox._migrate import upgrade  # noqa: E402
 from outbox.errors import RequestInProgress  # noqa: E402
+from outbox.sql import keys as keysql  # noqa: E402
 
 MODES: tuple[Mode, ...] = ("atomic", "phased")
 BODY = {"amount": 42, "currency": "EUR", "customer": "bench"}
+VARIANTS = ("a_bare", "b_atomic", "c_phased", "d_detect", "e_suspect")
+
+
+def same_payment(body: dict[str, Any]) -> str:
+    """The business identity the detection variants declare."""
+    return f"{body['customer']}|{body['amount']}|{body['currency']}"
+
+
+class FormatOnly(logging.Handler):
+    """Formats each record and drops it: e_suspect pays for its WARNING line (as an app
+    with logging configured would) without flooding stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.format(record)
 
 
 def log(msg: str) -> None:
@@ -86,7 +116,7 @@ class Bench:
         self.run = run_id
         self.table = f"bench_guard_orders_{run_id}"
         self.queue = f"bench-{run_id}"
-        self.guard = IdempotencyGuard()
+        self.guard = IdempotencyGuard(same_request=same_payment)
         self._commits = 0
         self._lock = threading.Lock()
         self._insert = text(
@@ -138,6 +168,21 @@ class Bench:
         fp = fingerprint("POST", "/orders", BODY)
         return self.guard.run(self.engine, scope, key, fp, self.work(key), mode=mode)
 
+    def detecting(self, scope: str, key: str, same: bool) -> Result:
+        """Atomic, with detection: a new payment per request, or always the same one."""
+        body = BODY if same else {**BODY, "customer": key}
+        fp = fingerprint("POST", "/orders", body)
+        return self.guard.run(self.engine, scope, key, fp, self.work(key),
+                              business_key=self.guard.business_key(body))
+
+    def request(self, variant: str, scope: str, key: str) -> None:
+        if variant == "a_bare":
+            self.bare(key)
+        elif variant in ("b_atomic", "c_phased"):
+            self.guarded(scope, key, "atomic" if variant == "b_atomic" else "phased")
+        else:
+            self.detecting(scope, key, same=variant == "e_suspect")
+
     # -- part 1: throughput ----------------------------------------------------------
 
     def _loop(self, variant: str, seconds: float, threads: int) -> tuple[int, list[float]]:
@@ -150,10 +195,7 @@ class Bench:
             while time.perf_counter() < stop:
                 key = uuid.uuid4().hex
                 started = time.perf_counter()
-                if variant == "a_bare":
-                    self.bare(key)
-                else:
-                    self.guarded(scope, key, "atomic" if variant == "b_atomic" else "phased")
+                self.request(variant, scope, key)
                 mine.append(time.perf_counter() - started)
 
         with ThreadPoolExecutor(threads) as pool:
@@ -163,7 +205,7 @@ class Bench:
         return len(flat), flat
 
     def throughput(self, seconds: float, threads: int) -> dict[str, Any]:
-        variants = ("a_bare", "b_atomic", "c_phased")
+        variants = VARIANTS
         for variant in variants:  # warm the pool, the plans and the caches
             self._loop(variant, 0.3, threads)
         rounds = 3
@@ -189,6 +231,63 @@ class Bench:
                 "p99_ms": ms(pct(done[variant], 99)),
                 "commits_per_request": round(commits[variant] / n, 3) if n else None,
             }
+        return out
+
+    def single(self, n: int) -> dict[str, Any]:
+        """Part 1b: one thread, b/d/e interleaved; what detection adds per request."""
+        variants = ("b_atomic", "d_detect", "e_suspect")
+        lat: dict[str, list[float]] = {v: [] for v in variants}
+        for i in range(n + 50):
+            for variant in variants:
+                scope = f"bench:{self.run}:single-{variant}"
+                started = time.perf_counter()
+                self.request(variant, scope, uuid.uuid4().hex)
+                if i >= 50:  # the first 50 rounds warm plans and caches
+                    lat[variant].append(time.perf_counter() - started)
+        out: dict[str, Any] = {"requests_per_variant": n}
+        for v in variants:
+            out[v] = {"median_ms": ms(statistics.median(lat[v])),
+                      "mean_ms": ms(statistics.fmean(lat[v])),
+                      "p99_ms": ms(pct(lat[v], 99))}
+        for v in ("d_detect", "e_suspect"):
+            out[f"{v}_minus_b_median_ms"] = ms(
+                statistics.median(lat[v]) - statistics.median(lat["b_atomic"]))
+            out[f"{v}_minus_b_mean_ms"] = ms(
+                statistics.fmean(lat[v]) - statistics.fmean(lat["b_atomic"]))
+        out["key_write_statement"] = self.key_write(n)
+        return out
+
+    def key_write(self, n: int) -> dict[str, Any]:
+        """The key write alone: plain, detecting (nothing found), detecting (cap found)."""
+        scope = f"bench:{self.run}:stmt"
+        same = business_key("bench|42|EUR")
+        lat: dict[str, list[float]] = {"plain": [], "detect_new": [], "detect_cap": []}
+        with self.engine.connect() as conn:
+            for i in range(n + 50):
+                for variant, found in lat.items():
+                    key = uuid.uuid4().hex
+                    common: dict[str, Any] = {
+                        "scope": scope, "key": key, "fingerprint": "f", "status": 201,
+                        "headers": [["content-type", "application/json"]], "body": b"{}",
+                        "retention_seconds": 3600.0, "generation": uuid.uuid4()}
+                    query: Any
+                    if variant == "plain":
+                        query = keysql.insert_completed_key(**common)
+                    else:
+                        query = keysql.insert_completed_key_with_suspects(
+                            **common, window_seconds=600.0,
+                            business_hash=same if variant == "detect_cap" else business_key(key))
+                    started = time.perf_counter()
+                    query.run(conn)
+                    took = time.perf_counter() - started
+                    conn.commit()
+                    if i >= 50:
+                        found.append(took)
+        out: dict[str, Any] = {v: {"median_ms": ms(statistics.median(x)),
+                                   "mean_ms": ms(statistics.fmean(x))} for v, x in lat.items()}
+        for v in ("detect_new", "detect_cap"):
+            out[f"{v}_minus_plain_median_ms"] = ms(
+                statistics.median(lat[v]) - statistics.median(lat["plain"]))
         return out
 
     # -- parts 2 and 3: same-key storms ----------------------------------------------
@@ -292,6 +391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="measured seconds per throughput variant (default 6)")
     parser.add_argument("--concurrency", type=int, default=8,
                         help="threads for the throughput variants (default 8)")
+    parser.add_argument("--single", type=int, default=1000,
+                        help="single-thread requests per detection variant (default 1000)")
     parser.add_argument("--storm-size", type=int, default=100)
     parser.add_argument("--storm-rounds", type=int, default=5)
     parser.add_argument("--trials", type=int, default=200,
@@ -303,6 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     t0 = time.perf_counter()
+    suspects_log = logging.getLogger("outbox.idempotency")
+    suspects_log.addHandler(FormatOnly())
+    suspects_log.propagate = False
     url = database_url()
     log("migrating")
     upgrade(url)
@@ -320,16 +424,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.update(concurrency=args.concurrency, seconds_per_variant=args.seconds,
                       pool_size=pool_size, other_active_backends_before=busy_before)
         bench.setup()
-        log(f"throughput: 3 variants x {args.seconds:g} s, {args.concurrency} threads")
+        log(f"throughput: {len(VARIANTS)} variants x {args.seconds:g} s, "
+            f"{args.concurrency} threads")
         tp = bench.throughput(args.seconds, args.concurrency)
         a, b, c = tp["a_bare"], tp["b_atomic"], tp["c_phased"]
+        d, e = tp["d_detect"], tp["e_suspect"]
         report["throughput"] = tp
         report["ratios"] = {
             "b_over_a_rps": round(b["rps"] / a["rps"], 3),
             "c_over_a_rps": round(c["rps"] / a["rps"], 3),
             "b_over_a_p50": round(b["p50_ms"] / a["p50_ms"], 3),
             "c_over_a_p50": round(c["p50_ms"] / a["p50_ms"], 3),
+            "d_over_b_rps": round(d["rps"] / b["rps"], 3),
+            "e_over_b_rps": round(e["rps"] / b["rps"], 3),
+            "d_over_b_p50": round(d["p50_ms"] / b["p50_ms"], 3),
+            "e_over_b_p50": round(e["p50_ms"] / b["p50_ms"], 3),
         }
+        log(f"detection cost: {args.single} single-thread requests per variant")
+        report["detection_single_thread"] = bench.single(args.single)
         log(f"storm: {args.storm_size} requests on one key x {args.storm_rounds} rounds")
         report["storm"] = bench.storm(args.storm_size, args.storm_rounds)
         log(f"f01: {args.trials} trials x {args.trial_size} same-key requests per mode")
