@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -366,8 +367,13 @@ def configure_metrics(service_name: str) -> bool:
         log.warning("OTEL_METRICS_EXPORTER=%s is not supported here (otlp, console, none)",
                     choice)
         return False
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME",
-                                                                service_name)})
+    attributes = {"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}
+    if "service.instance.id=" not in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        # One series per process (the collector's `instance`): two processes' counters
+        # and pools must not land on one series (issue 15's pool occupancy divides a
+        # process's used connections by its own max).
+        attributes["service.instance.id"] = f"{socket.gethostname()}:{os.getpid()}"
+    resource = Resource.create(attributes)
     provider = SdkMeterProvider(resource=resource,
                                 metric_readers=[PeriodicExportingMetricReader(exporter)],
                                 views=histogram_views())
