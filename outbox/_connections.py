@@ -104,7 +104,7 @@ class BoundedConnection(psycopg.Connection[TupleRow]):
             self.close()  # mid-protocol: unusable, and the pool must not reuse it
             raise SilentConnection(
                 f"no answer from PostgreSQL within {self.call_timeout:g} s; the "
-                "connection was closed (see OUTBOX_DB_CALL_TIMEOUT)") from None
+                "connection was closed (call timeout: see docs/network.md)") from None
 
     def probe(self) -> None:
         """One bounded round trip: proves an idle connection (LISTEN) still works."""
