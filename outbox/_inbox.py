@@ -24,7 +24,13 @@ from sqlalchemy.orm import Session
 from outbox._canonical import DEFAULT_MAX_BODY, _check_strings, json_fingerprint, parse_json_body
 from outbox._idempotency import Clock, Connectable, database_clock
 from outbox._schema import InboxOutcome
-from outbox._telemetry import inbox_events, register_source_label, source_label, tracer
+from outbox._telemetry import (
+    inbox_events,
+    inbox_write_duration,
+    register_source_label,
+    source_label,
+    tracer,
+)
 from outbox.errors import (
     ConfigurationError,
     InvalidEvent,
@@ -374,8 +380,10 @@ def ingest(target: Connectable, source: str, event_id: str, payload: Any,
     """
     event = _prepare(IncomingEvent(source, event_id, payload, version, entity), max_version)
     with tracer.start_as_current_span("outbox.ingest") as span:
+        t0 = time.perf_counter()
         result = _ingest(_conn(target), [event], processed=processed,
                          count_duplicates=count_duplicates, clock=clock)[0]
+        inbox_write_duration.record(time.perf_counter() - t0, {"source": source_label(source)})
         span.set_attribute("outbox.source", source)
         span.set_attribute("outbox.outcome", result.outcome.value)
         return result
@@ -398,8 +406,13 @@ def ingest_many(target: Connectable, events: Iterable[IncomingEvent], *,
     prepared = [_prepare(e, max_version) for e in batch]
     with tracer.start_as_current_span("outbox.ingest_many") as span:
         span.set_attribute("outbox.events", len(batch))
-        return _ingest(_conn(target), prepared, processed=processed,
-                       count_duplicates=count_duplicates, clock=clock)
+        t0 = time.perf_counter()
+        results = _ingest(_conn(target), prepared, processed=processed,
+                          count_duplicates=count_duplicates, clock=clock)
+        took = time.perf_counter() - t0
+        for source in {e.source for e in prepared}:  # the batch's write, once per source
+            inbox_write_duration.record(took, {"source": source_label(source)})
+        return results
 
 
 def mark_processed(target: Connectable, source: str, event_id: str, *,

@@ -534,8 +534,6 @@ def test_one_engine_per_process_is_reported(db_url: str,
 # -- write latency per source -----------------------------------------------------------
 
 
-@pytest.mark.xfail(reason="the record call belongs in outbox/_inbox.py's ingest() and "
-                   "ingest_many(), outside this change (issue 15 report)", strict=False)
 def test_inbox_write_latency_is_recorded_per_source(engine: Engine) -> None:
     reader = metric_reader()
 
