@@ -19,6 +19,7 @@ from typing import Any
 
 MIGRATIONS: tuple[tuple[str, str], ...] = (
     ("0001_outbox_schema", "0004"),
+    ("0002_business_hash", "0005"),
 )
 
 
