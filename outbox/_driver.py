@@ -35,6 +35,7 @@ from typing import Any, Generic, TypeVar
 
 import psycopg
 from psycopg.rows import namedtuple_row
+from psycopg.types.json import JsonbLoader, JsonLoader
 
 T = TypeVar("T")
 
@@ -100,18 +101,26 @@ class Query(Generic[T]):
 
 
 class SyncDB:
-    """Runs statements on one psycopg connection, in whatever transaction it is in."""
+    """Runs statements on one psycopg connection, in whatever transaction it is in.
 
-    __slots__ = ("conn", "wrap")
+    `own_json`: the connection's owner registered its own json/jsonb loaders (Django
+    loads them as text and decodes in its fields): our cursors load JSON themselves.
+    """
+
+    __slots__ = ("conn", "own_json", "wrap")
 
     def __init__(self, conn: psycopg.Connection[Any], wrap: Callable[[Exception], Exception]
-                 | None = None) -> None:
+                 | None = None, *, own_json: bool = False) -> None:
         self.conn = conn
         self.wrap = wrap
+        self.own_json = own_json
 
     def execute(self, statement: Statement, params: Mapping[str, Any] | None = None) -> Result:
         try:
             with self.conn.cursor(row_factory=namedtuple_row) as cur:
+                if self.own_json:
+                    cur.adapters.register_loader("json", JsonLoader)
+                    cur.adapters.register_loader("jsonb", JsonbLoader)
                 cur.execute(statement.sql, params)
                 rows = cur.fetchall() if cur.description is not None else []
                 return Result(rows, cur.rowcount)
@@ -166,7 +175,7 @@ def sync_db(handle: Any) -> SyncDB:
         raw = handle.connection
         if not isinstance(raw, psycopg.Connection):
             raise TypeError("outbox needs Django's psycopg 3 backend")
-        return SyncDB(raw)
+        return SyncDB(raw, own_json=True)
     if isinstance(handle, psycopg.AsyncConnection) or module.startswith(
             "sqlalchemy.ext.asyncio"):
         raise TypeError(f"{type(handle).__name__} is async: use the a-prefixed function "

@@ -498,6 +498,26 @@ def test_the_guard_replays_on_djangos_connection(dj: Engine) -> None:
         assert guard.begin(outbox_db(), "tenant", "key-x", "fp") == first
 
 
+def test_the_guard_replays_on_djangos_plain_connection(dj: Engine) -> None:
+    """Django loads jsonb as text on its connection; the driver seam's cursors load it
+    as JSON themselves, so `django.db.connection` works as the handle too."""
+    from django.db import connection, transaction
+
+    from outbox import IdempotencyGuard, StoredResponse
+
+    guard = IdempotencyGuard()
+    first = StoredResponse(201, (("content-type", "application/json"),), b'{"ok":2}')
+    with transaction.atomic():
+        begun = guard.begin(connection, "tenant", "key-plain", "fp")
+        assert isinstance(begun, Claim)
+        guard.complete(connection, begun, first)
+    with transaction.atomic():
+        assert guard.begin(connection, "tenant", "key-plain", "fp") == first
+    with connection.cursor() as cur:  # Django's own decoding is left as it was
+        cur.execute("SELECT '{\"a\": 1}'::jsonb")
+        assert cur.fetchone()[0] == '{"a": 1}'
+
+
 # -- the DRF decorator: the HTTP contract -----------------------------------------------
 
 
