@@ -24,6 +24,12 @@ Sections
            outcome write). With the LISTEN/NOTIFY doorbell, and polling only
            (run_worker(listen=False), poll interval 1 s).
 
+  peers    the raw-SQL ceiling (pgbench_outbox.py dispatch, 1 and 4 clients) and
+           pgqueuer (pgqueuer_bench.py work, asyncpg) at the same batch sizes, started
+           from a copy of ../shared/bench with its venv ($PEER_BENCH, default
+           /tmp/peer-bench; see its README), interleaved with ours in this run; the
+           summary line then carries the ratios ours / ceiling and ours / pgqueuer.
+
 Database: $DATABASE_URL's server, or the embedded one (outbox._config.database_url()).
 A scratch database `bench_outbox` is created (migrated with the project's Alembic
 migrations) and dropped at the end; tables are truncated between cells.
@@ -406,9 +412,13 @@ def worker_main(argv: Sequence[str]) -> int:
     from dispatcher.handlers import EffectContext, HttpHandler, Registry
     from dispatcher.worker import run_worker
     from outbox._config import make_engine
+    from outbox._connections import DEFAULT_WORKER_CALL_TIMEOUT
 
     logging.basicConfig(level=logging.WARNING)
-    engine = make_engine(application_name="bench-worker", pool_size=2, max_overflow=2)
+    # The engine `outbox worker` makes (dispatcher/cli.py cmd_worker): no pre-ping,
+    # the workers' call timeout.
+    engine = make_engine(application_name="bench-worker", pool_size=2, max_overflow=2,
+                         pool_pre_ping=False, call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
     _warm(engine)
     latencies: list[float] = []
 
@@ -710,6 +720,54 @@ class Bench:
             emit(row)
         engine.dispose()
 
+    # -- peers ------------------------------------------------------------------------
+
+    def peers(self) -> None:
+        """The ceiling and pgqueuer from the shared scripts, in this sitting."""
+        home = Path(os.environ.get("PEER_BENCH", "/tmp/peer-bench"))
+        py = home / ".venv" / "bin" / "python"
+        if not py.exists():
+            log(f"peers skipped: no {py} (copy ../shared/bench there and make its venv)")
+            return
+        dur = str(max(3, int(self.args.duration)))
+        runs = str(self.args.runs)
+        for batch in self.args.batches:
+            if batch == 1:
+                continue
+            for clients in (1, 4):
+                self._peer(py, home, ["pgbench_outbox.py", "dispatch", "--batch", str(batch),
+                                      "--clients", str(clients), "--duration", dur,
+                                      "--runs", runs, "--prefill",
+                                      str({10: 200_000}.get(batch, 500_000))],
+                           {"peer": "ceiling", "batch": batch, "clients": clients},
+                           "rows_per_s_median")
+            n = {10: 20_000, 100: 60_000}.get(batch, 30_000)
+            self._peer(py, home, ["pgqueuer_bench.py", "work", "--batch-size", str(batch),
+                                  "--concurrency", "0", "--n", str(n), "--runs", runs],
+                       {"peer": "pgqueuer", "batch": batch, "workers": 1}, "rate_median")
+
+    def _peer(self, py: Path, home: Path, cmd: list[str], what: dict[str, Any],
+              key: str) -> None:
+        log("peer: " + " ".join(cmd))
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        try:
+            out = subprocess.run([str(py), *cmd], cwd=home, capture_output=True, text=True,
+                                 timeout=600, env=env)
+        except subprocess.TimeoutExpired:
+            log("peer timed out")
+            return
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+        if not lines:
+            log(f"peer printed nothing: {out.stderr[-500:]}")
+            return
+        got = json.loads(lines[-1])
+        row = {"bench": "outbox_dispatch", "section": "peers", **what,
+               "rate_median": got.get(key), "rates": got.get("rows_per_s_runs")
+               or got.get("rates"), "cpu_median_run": got.get("cpu_median_run"),
+               "load": load()}
+        self.results.append(row)
+        emit(row)
+
     # -- summary ----------------------------------------------------------------------
 
     def summary(self, started: float, load_start: list[float], server: str) -> None:
@@ -723,6 +781,25 @@ class Bench:
             out[f"{h}_best"] = {k: best[k] for k in ("workers", "batch", "rate_median")}
             out[f"{h}_rates"] = {f"W{r['workers']}xB{r['batch']}": r["rate_median"]
                                  for r in rows}
+        peers = {(r["peer"], r["batch"], r.get("clients", 1)): r["rate_median"]
+                 for r in self.results if r["section"] == "peers" and r["rate_median"]}
+        if peers:
+            ours = {(r["workers"], r["batch"]): r["rate_median"]
+                    for r in work if r["handler"] == "noop"}
+            out["peer_rates"] = {f"{p}_B{b}_c{c}": v for (p, b, c), v in peers.items()}
+            ratios: dict[str, float] = {}
+            for b in self.args.batches:
+                one = ours.get((1, b))
+                if one and peers.get(("pgqueuer", b, 1)):
+                    ratios[f"W1xB{b}_vs_pgqueuer"] = round(one / peers[("pgqueuer", b, 1)], 2)
+                if one and peers.get(("ceiling", b, 1)):
+                    ratios[f"W1xB{b}_vs_ceiling_1c"] = round(one / peers[("ceiling", b, 1)], 2)
+            best = max(ours.values(), default=0.0)
+            ceil4 = max((v for (p, _, c), v in peers.items() if p == "ceiling" and c == 4),
+                        default=0.0)
+            if best and ceil4:
+                ratios["best_vs_ceiling_4c"] = round(best / ceil4, 2)
+            out["ratios"] = ratios
         for r in self.results:
             if r["section"] == "enqueue":
                 out[f"enqueue_{r['clients']}c"] = r["rate_median"]
@@ -760,7 +837,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="reduced matrix, under 2 minutes")
-    ap.add_argument("--sections", default="work,enqueue,latency")
+    ap.add_argument("--sections", default="work,enqueue,latency",
+                    help="any of work,enqueue,latency,peers")
     ap.add_argument("--handlers", default="noop,http")
     ap.add_argument("--workers", default=None, help="worker processes, e.g. 1,2,4,8")
     ap.add_argument("--batches", default=None, help="concurrency = max_batch, e.g. 1,10,100")
@@ -806,6 +884,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench.enqueue()
         if "latency" in sections:
             bench.latency()
+        if "peers" in sections:
+            bench.peers()
         bench.summary(started, load_start, server)
     finally:
         if not args.keep_db:

@@ -2,17 +2,27 @@
 
 Every write after a claim is fenced by the row's `lease_token`: a worker whose lease
 was taken over changes nothing, and its attempt is recorded as `lease_lost`.
+
+Statements run through the driver seam (`outbox/_driver.py`): on the psycopg
+connection under whatever handle the caller passes (a SQLAlchemy Connection, a psycopg
+Connection), without SQLAlchemy's compilation and Row building. Hot statements take
+few, wide parameters: `record_outcomes` sends its batch as ONE jsonb parameter
+(`jsonb_to_recordset`) rather than eleven arrays, whose dumping in Python cost more
+than the statement itself.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, text
+from outbox._driver import sql as _sql
+from outbox._driver import sync_db
+from outbox._schema import AttemptOutcome, EffectStatus
 
 _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 
@@ -21,17 +31,46 @@ _CLAIMED_COLUMNS = (
     " e.lease_token, e.lease_expires_at, e.created_at, e.retry_until,"
     " e.ordering_key, e.queue")
 
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """One claimed effect: what the executor needs, and the lease that fences it.
+
+    Field order is the claim's RETURNING order (`Claimed(*row)`).
+    """
+
+    id: int
+    effect_key: str
+    kind: str
+    payload: Any
+    headers: Any
+    attempts: int          # this attempt's number (1 for the first)
+    max_attempts: int
+    lease_token: uuid.UUID
+    lease_expires_at: datetime
+    created_at: datetime
+    retry_until: datetime | None
+    ordering_key: str | None
+    queue: str
+
+
 # Two MATERIALIZED CTEs: a plain `IN (SELECT ... LIMIT n)` may be re-evaluated and
 # claim more than n rows (PostgreSQL bug #15715); a CTE is evaluated exactly once.
 # `rescue` takes in-flight rows whose lease expired (their worker died or stalled);
 # `fresh` takes due pending rows, only the head of each ordering key.
+# The rescue runs only when the caller asks (`:rescue`, a one-time filter: false skips
+# the scan entirely). It is off the hot path (issue 17): its index walks every
+# in-flight entry since the xmin horizon and finds nothing almost always; the
+# dispatcher asks for it when its last claim came up short (the queue is not
+# saturated) and at least once a second under a saturated backlog.
 # Every row of one claim gets the caller's `:token`: a retry of a claim whose reply was
 # lost finds its rows by it (`claimed_with`). Fencing stays per (id, token).
-_CLAIM = text(
+_CLAIM = _sql(
     f"""
     WITH rescue AS MATERIALIZED (
         SELECT id FROM outbox.effects
-         WHERE status = 'in_flight' AND queue = :queue
+         WHERE CAST(:rescue AS boolean)
+           AND status = 'in_flight' AND queue = :queue
            AND lease_expires_at < {_NOW}
            AND attempts < max_attempts
            AND (retry_until IS NULL OR retry_until > {_NOW})
@@ -65,25 +104,26 @@ _CLAIM = text(
 )
 
 
-def claim_due(conn: Connection, *, queue: str, limit: int, owner: str,
+def claim_due(conn: Any, *, queue: str, limit: int, owner: str,
               lease_seconds: float, now: datetime | None = None,
-              token: uuid.UUID | None = None) -> list[Row[Any]]:
+              token: uuid.UUID | None = None, rescue: bool = True) -> list[Claimed]:
     """Claim at most `limit` due effects for `owner`; commit before delivering them.
 
     `token` becomes every claimed row's lease token (a fresh one if None). A caller
     that may retry the claim passes the same token to each try and to `claimed_with`.
+    `rescue=False` skips expired leases (see `_CLAIM`).
     """
     if limit <= 0:
         return []
-    params = {"queue": queue, "limit": limit, "owner": owner, "lease": lease_seconds,
-              "now": now, "token": token or uuid.uuid4()}
-    return list(conn.execute(_CLAIM, params))
+    params = {"queue": queue, "limit": limit, "owner": owner, "lease": float(lease_seconds),
+              "now": now, "token": token or uuid.uuid4(), "rescue": rescue}
+    return [Claimed(*r) for r in sync_db(conn).execute(_CLAIM, params).rows]
 
 
 # A retried claim's first step: the rows an earlier try of the same claim took, if its
 # UPDATE committed but the reply was lost. Only in-flight rows of the queue are scanned
 # (effects_in_flight_idx: bounded by the workers' slots), and only on the retry path.
-_CLAIMED_WITH = text(
+_CLAIMED_WITH = _sql(
     f"""
     SELECT {_CLAIMED_COLUMNS}
       FROM outbox.effects e
@@ -93,14 +133,15 @@ _CLAIMED_WITH = text(
 )
 
 
-def claimed_with(conn: Connection, *, queue: str, token: uuid.UUID) -> list[Row[Any]]:
+def claimed_with(conn: Any, *, queue: str, token: uuid.UUID) -> list[Claimed]:
     """The rows a claim with `token` holds (the claim's own RETURNING columns)."""
-    return list(conn.execute(_CLAIMED_WITH, {"queue": queue, "token": token}))
+    rows = sync_db(conn).execute(_CLAIMED_WITH, {"queue": queue, "token": token}).rows
+    return [Claimed(*r) for r in rows]
 
 
 # Whether a backend (an earlier try's connection, lost to us) still runs a statement:
 # its claim may not have committed yet, and `claimed_with` could not see its rows.
-_BACKENDS_BUSY = text(
+_BACKENDS_BUSY = _sql(
     """
     SELECT EXISTS (SELECT 1 FROM pg_stat_activity
                     WHERE pid = ANY(CAST(:pids AS int[])) AND pid <> pg_backend_pid()
@@ -109,32 +150,41 @@ _BACKENDS_BUSY = text(
 )
 
 
-def backends_busy(conn: Connection, pids: Sequence[int]) -> bool:
+def backends_busy(conn: Any, pids: Sequence[int]) -> bool:
     """True while any of `pids` (other than ours) is running or inside a transaction."""
     if not pids:
         return False
-    return bool(conn.execute(_BACKENDS_BUSY, {"pids": list(pids)}).scalar_one())
+    return bool(sync_db(conn).execute(_BACKENDS_BUSY, {"pids": list(pids)}).scalar())
 
 
-_EXTEND = text(
+# `least(:lease, v.secs)`: a lease is never extended past its attempt's deadline (plus
+# a margin): the caller passes, per lease, the seconds left until then.
+_EXTEND = _sql(
     f"""
     UPDATE outbox.effects e
-       SET lease_expires_at = {_NOW} + make_interval(secs => :lease)
-      FROM unnest(CAST(:ids AS bigint[]), CAST(:tokens AS uuid[])) AS v(id, token)
+       SET lease_expires_at = {_NOW} + make_interval(secs => least(:lease, v.secs))
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:tokens AS uuid[]),
+                  CAST(:secs AS float8[])) AS v(id, token, secs)
      WHERE e.id = v.id AND e.lease_token = v.token AND e.status = 'in_flight'
     RETURNING e.id
     """
 )
 
 
-def extend_leases(conn: Connection, leases: Sequence[tuple[int, uuid.UUID]],
-                  lease_seconds: float, now: datetime | None = None) -> set[int]:
-    """Extend many leases in one statement; returns the ids still ours."""
+def extend_leases(conn: Any, leases: Sequence[tuple[int, uuid.UUID]],
+                  lease_seconds: float, now: datetime | None = None, *,
+                  caps: Sequence[float] | None = None) -> set[int]:
+    """Extend many leases in one statement; returns the ids still ours.
+
+    `caps[i]`, if given, caps lease i's new length (seconds from now).
+    """
     if not leases:
         return set()
+    secs = [float(c) for c in caps] if caps is not None else [float(lease_seconds)] * len(
+        leases)
     params = {"ids": [i for i, _ in leases], "tokens": [t for _, t in leases],
-              "lease": lease_seconds, "now": now}
-    return {r.id for r in conn.execute(_EXTEND, params)}
+              "secs": secs, "lease": float(lease_seconds), "now": now}
+    return {r[0] for r in sync_db(conn).execute(_EXTEND, params).rows}
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +194,8 @@ class Outcome:
     effect_id: int
     lease_token: uuid.UUID
     attempt: int
-    outcome: str             # AttemptOutcome value recorded for the attempt
-    next_status: str         # delivered | pending | failed | needs_review
+    outcome: AttemptOutcome | str          # recorded for the attempt
+    next_status: EffectStatus | str        # delivered | pending | failed | needs_review
     started_at: datetime
     delay: float = 0.0       # seconds until the next attempt, when next_status=pending
     error: str | None = None
@@ -154,16 +204,15 @@ class Outcome:
     trace_id: str | None = None
 
 
-_RECORD = text(
+# The batch is one jsonb parameter (an array of objects, keys as in `v` below):
+# psycopg dumps one string instead of eleven Python lists element by element.
+_RECORD = _sql(
     f"""
-    WITH v AS (
-        SELECT * FROM unnest(
-            CAST(:ids AS bigint[]), CAST(:tokens AS uuid[]), CAST(:attempts AS int[]),
-            CAST(:outcomes AS text[]), CAST(:next AS text[]), CAST(:delays AS float8[]),
-            CAST(:errors AS text[]), CAST(:results AS text[]), CAST(:http AS int[]),
-            CAST(:started AS timestamptz[]), CAST(:trace_ids AS text[]))
-          AS v(id, token, attempt, outcome, next_status, delay, error, result,
-               http_status, started_at, trace_id)
+    WITH v AS MATERIALIZED (
+        SELECT * FROM jsonb_to_recordset(CAST(:batch AS jsonb))
+          AS v(id bigint, token uuid, attempt int, outcome text, next_status text,
+               delay float8, error text, result text, http_status int,
+               started_at timestamptz, trace_id text)
     ), upd AS (
         UPDATE outbox.effects e
            SET status = v.next_status,
@@ -206,7 +255,16 @@ _RECORD = text(
 )
 
 
-def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], worker: str,
+def _batch_json(outcomes: Sequence[Outcome]) -> str:
+    return json.dumps([
+        {"id": o.effect_id, "token": str(o.lease_token), "attempt": o.attempt,
+         "outcome": str(o.outcome), "next_status": str(o.next_status), "delay": o.delay,
+         "error": o.error, "result": o.result, "http_status": o.http_status,
+         "started_at": o.started_at.isoformat(), "trace_id": o.trace_id}
+        for o in outcomes], ensure_ascii=False, allow_nan=False)
+
+
+def record_outcomes(conn: Any, outcomes: Sequence[Outcome], worker: str,
                     now: datetime | None = None) -> dict[int, str]:
     """Apply a batch of attempt outcomes in one statement, fenced by lease token.
 
@@ -215,25 +273,11 @@ def record_outcomes(conn: Connection, outcomes: Sequence[Outcome], worker: str,
     """
     if not outcomes:
         return {}
-    params: dict[str, Any] = {
-        "ids": [o.effect_id for o in outcomes],
-        "tokens": [o.lease_token for o in outcomes],
-        "attempts": [o.attempt for o in outcomes],
-        "outcomes": [o.outcome for o in outcomes],
-        "next": [o.next_status for o in outcomes],
-        "delays": [o.delay for o in outcomes],
-        "errors": [o.error for o in outcomes],
-        "results": [o.result for o in outcomes],
-        "http": [o.http_status for o in outcomes],
-        "started": [o.started_at for o in outcomes],
-        "trace_ids": [o.trace_id for o in outcomes],
-        "worker": worker,
-        "now": now,
-    }
-    return {r.effect_id: r.outcome for r in conn.execute(_RECORD, params)}
+    params = {"batch": _batch_json(outcomes), "worker": worker, "now": now}
+    return {r[0]: r[1] for r in sync_db(conn).execute(_RECORD, params).rows}
 
 
-_FAIL_EXHAUSTED = text(
+_FAIL_EXHAUSTED = _sql(
     f"""
     WITH dead AS MATERIALIZED (
         SELECT id, attempts, lease_owner FROM outbox.effects
@@ -258,13 +302,14 @@ _FAIL_EXHAUSTED = text(
 )
 
 
-def fail_exhausted_leases(conn: Connection, batch: int = 1000,
+def fail_exhausted_leases(conn: Any, batch: int = 1000,
                           now: datetime | None = None) -> list[int]:
     """Dead-letter expired leases that may not be retried (the poison-loop stop)."""
-    return [r.effect_id for r in conn.execute(_FAIL_EXHAUSTED, {"batch": batch, "now": now})]
+    rows = sync_db(conn).execute(_FAIL_EXHAUSTED, {"batch": batch, "now": now}).rows
+    return [r[0] for r in rows]
 
 
-_NEXT_DUE = text(
+_NEXT_DUE = _sql(
     f"""
     SELECT extract(epoch FROM least(
              (SELECT min(available_at) FROM outbox.effects
@@ -275,10 +320,10 @@ _NEXT_DUE = text(
 )
 
 
-def seconds_until_due(conn: Connection, queue: str, now: datetime | None = None
+def seconds_until_due(conn: Any, queue: str, now: datetime | None = None
                       ) -> float | None:
     """Seconds until something becomes claimable (<= 0: now); None if nothing waits."""
-    wait = conn.execute(_NEXT_DUE, {"queue": queue, "now": now}).scalar_one()
+    wait = sync_db(conn).execute(_NEXT_DUE, {"queue": queue, "now": now}).one()[0]
     return None if wait is None else float(wait)
 
 
@@ -300,7 +345,7 @@ _CLAIMABLE_RESCUE = f"""
 # The queues a sweep must ring. The distinct queues of pending rows come from a skip
 # scan of effects_pending_idx (one index probe per queue, however deep the backlog);
 # in-flight rows are few (bounded by the workers' slots).
-_QUEUES_WITH_DUE_WORK = text(
+_QUEUES_WITH_DUE_WORK = _sql(
     f"""
     WITH RECURSIVE pending_queues(queue) AS (
         (SELECT queue FROM outbox.effects WHERE status = 'pending' ORDER BY queue LIMIT 1)
@@ -324,9 +369,9 @@ _QUEUES_WITH_DUE_WORK = text(
 )
 
 
-def queues_with_due_work(conn: Connection, now: datetime | None = None) -> list[str]:
+def queues_with_due_work(conn: Any, now: datetime | None = None) -> list[str]:
     """Every queue holding an effect a claim would take now (the sweep rings each)."""
-    return list(conn.execute(_QUEUES_WITH_DUE_WORK, {"now": now}).scalars())
+    return [r[0] for r in sync_db(conn).execute(_QUEUES_WITH_DUE_WORK, {"now": now}).rows]
 
 
 # When a drain that found nothing to claim must look again: 0 if a claim would take
@@ -335,7 +380,7 @@ def queues_with_due_work(conn: Connection, now: datetime | None = None) -> list[
 # lease that may still be rescued (its worker may be dead). Rows blocked behind their
 # ordering key's head and exhausted leases (the sweep dead-letters those) never make
 # it "now", so a drain never re-arms in a loop for them.
-_SECONDS_UNTIL_CLAIMABLE = text(
+_SECONDS_UNTIL_CLAIMABLE = _sql(
     f"""
     SELECT CASE
       WHEN EXISTS (SELECT 1 FROM outbox.effects e
@@ -356,12 +401,13 @@ _SECONDS_UNTIL_CLAIMABLE = text(
 )
 
 
-def seconds_until_claimable(conn: Connection, queue: str, now: datetime | None = None
+def seconds_until_claimable(conn: Any, queue: str, now: datetime | None = None
                             ) -> float | None:
     """0 if a claim on `queue` would take something now, else seconds until one would.
 
     None: nothing on `queue` waits for a moment to pass (a blocked successor becomes
     claimable when its head is delivered, by the drain that delivers it).
     """
-    wait = conn.execute(_SECONDS_UNTIL_CLAIMABLE, {"queue": queue, "now": now}).scalar_one()
+    wait = sync_db(conn).execute(_SECONDS_UNTIL_CLAIMABLE,
+                              {"queue": queue, "now": now}).one()[0]
     return None if wait is None else float(wait)

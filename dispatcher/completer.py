@@ -1,0 +1,141 @@
+"""The completer: owns the batched, fenced writes of attempt outcomes.
+
+Outcomes queue here as deliveries finish (`add`); `flush` records everything queued in
+one statement (`record_outcomes`, fenced by lease token). While a dispatcher loop runs,
+a background thread flushes (`start`/`kick`/`stop`) on its own connection, so the
+record of one batch overlaps the claim of the next and the handlers of a third: a slot
+is free when its handler returns, not when its outcome is written. Outside a loop
+(`fill()`/`reap()` driven by hand) `flush` is synchronous, as it always was.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
+
+from dispatcher.producer import HeldConnection, db_retry
+from outbox._idempotency import Clock
+from outbox._schema import AttemptOutcome
+from outbox._telemetry import deliveries
+from outbox.sql import dispatch as sql
+from outbox.sql.dispatch import Outcome
+
+log = logging.getLogger("outbox.dispatcher")
+
+
+@dataclass(slots=True)
+class Stats:
+    claimed: int = 0
+    recorded: dict[str, int] = field(default_factory=dict)
+    lease_lost: int = 0
+
+    def add(self, recorded: dict[int, str]) -> None:
+        for outcome in recorded.values():
+            self.recorded[outcome] = self.recorded.get(outcome, 0) + 1
+            if outcome == AttemptOutcome.LEASE_LOST:
+                self.lease_lost += 1
+
+
+class Completer:
+    """Records finished attempts in batches, fenced by lease token."""
+
+    def __init__(self, engine: Engine, *, worker_id: str, clock: Clock, stats: Stats) -> None:
+        self.conn = HeldConnection(engine)
+        self.worker_id = worker_id
+        self.clock = clock
+        self.stats = stats
+        self.pending: list[Outcome] = []  # finished, not yet written
+        self._lock = threading.Lock()     # guards `pending` and `stats`
+        self._kick = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._writing = 0                 # flushes under way
+        self.on_written: Callable[[], None] | None = None  # after each background flush
+
+    def add(self, outcome: Outcome) -> None:
+        with self._lock:
+            self.pending.append(outcome)
+
+    @property
+    def backlog(self) -> int:
+        """Outcomes queued or being written."""
+        return len(self.pending) + self._writing
+
+    def flush(self) -> dict[int, str]:
+        """Record every queued outcome in one statement; returns what was recorded."""
+        with self._lock:
+            batch, self.pending = self.pending, []
+            if not batch:
+                return {}
+            self._writing += len(batch)
+        try:
+            try:
+                recorded = self._record(batch)
+            except DBAPIError:
+                log.exception("could not record %d outcomes; their leases will expire and "
+                              "the effects will be redelivered with the same keys",
+                              len(batch))
+                return {}
+            with self._lock:
+                self.stats.add(recorded)
+        finally:
+            with self._lock:
+                self._writing -= len(batch)
+        for o in batch:
+            got = recorded.get(o.effect_id)
+            if got is None:  # recorded by a try whose COMMIT reply was lost
+                continue
+            if got == AttemptOutcome.LEASE_LOST:
+                log.warning("effect %s: lease lost before its outcome was recorded "
+                            "(fenced)", o.effect_id)
+            deliveries.add(1, {"outcome": got})
+        return recorded
+
+    @db_retry
+    def _record(self, batch: list[Outcome]) -> dict[int, str]:
+        with self.conn() as conn:
+            return sql.record_outcomes(conn, batch, self.worker_id, now=self.clock())
+
+    # -- background writing while a loop runs ------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="outbox-complete")
+        self._thread.start()
+
+    def kick(self) -> None:
+        """Ask the background writer to flush (no-op without one)."""
+        if self._thread is not None:
+            self._kick.set()
+
+    def _run(self) -> None:
+        while True:
+            self._kick.wait()
+            self._kick.clear()
+            if self.pending:
+                try:
+                    self.flush()
+                except Exception:  # never let the writer die: the loop flushes at its end
+                    log.exception("outcome writer failed")
+                if self.on_written is not None:  # a written head frees its key's next
+                    self.on_written()
+            if self._stopping:
+                return
+
+    def stop(self) -> None:
+        """Stop the background writer after it wrote what it had, then flush the rest."""
+        thread = self._thread
+        if thread is not None:
+            self._stopping = True
+            self._kick.set()
+            thread.join()
+            self._thread = None
+        self.flush()

@@ -1,0 +1,295 @@
+"""The executor: runs one claimed effect and returns a typed `Outcome`.
+
+It holds no connection and no transaction while a handler runs, and never writes: the
+completer records what it returns. Every failure, BaseExceptions too, is classified
+by the retry policy; an awaitable result is awaited on the dispatcher's one event
+loop (see `Executor.await_result`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Awaitable
+from concurrent.futures import Future
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from opentelemetry import propagate, trace
+
+from dispatcher.handlers import EffectContext, Registry
+from dispatcher.policy import RetryPolicy
+from outbox._idempotency import Clock
+from outbox._redact import exception_attributes, redact_secrets
+from outbox._schema import AttemptOutcome, EffectStatus
+from outbox._telemetry import delivery_duration, delivery_lag, tracer
+from outbox.errors import AmbiguousOutcome, DeliveryError, TransientFailure
+from outbox.sql.dispatch import Claimed, Outcome
+
+_DELIVERED = AttemptOutcome.DELIVERED
+_ST_DELIVERED = EffectStatus.DELIVERED
+
+
+def _crashpoint(name: str) -> None:
+    """Test hook (H3): `OUTBOX_CRASH_AT=name` SIGKILLs this process at that point."""
+    points = os.environ.get("OUTBOX_CRASH_AT")
+    if points and name in points.split(","):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# What a handler or receiver hands us is stored by the batch's one record statement:
+# a value PostgreSQL refuses (NUL in text, \u0000 or a lone surrogate in jsonb, NaN,
+# an int4 overflow) failed the whole batch, dropping every outcome in it, and a lone
+# surrogate raised UnicodeEncodeError (no DBAPIError) out of flush(), ending the loop.
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def _db_text(value: str) -> str:
+    """Text PostgreSQL accepts: no NUL, no lone surrogates."""
+    return value.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
+def _jsonb_text(value: Any) -> str:
+    """JSON text that `CAST(... AS jsonb)` accepts, whatever `value` holds."""
+    try:
+        out = json.dumps(value, default=str, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError):  # NaN, non-string keys, cycles: keep a summary
+        out = json.dumps(repr(value)[:2000], ensure_ascii=False)
+    return _NUL_ESCAPE.sub(r"\1\\ufffd", _db_text(out))
+
+
+def _http_status(value: object) -> int | None:
+    return value if isinstance(value, int) and 100 <= value <= 999 else None
+
+
+async def _until_deadline(awaitable: Awaitable[Any], deadline: float) -> Any:
+    """Await a handler's result, cancelled at `deadline` (time.monotonic(), which is
+    the loop's clock). Cut there, the request may have gone out: ambiguous."""
+    limit = asyncio.timeout_at(deadline)
+    try:
+        async with limit:
+            return await awaitable
+    except TimeoutError:
+        if limit.expired():
+            raise AmbiguousOutcome("async handler still running at its deadline; "
+                                   "cancelled") from None
+        raise
+
+
+class Executor:
+    """Runs one effect (`execute`), and says what an attempt that did not return a
+    result ends in (`crashed`, `released`)."""
+
+    def __init__(self, registry: Registry, policy: RetryPolicy, clock: Clock,
+                 lease: float, queue: str) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.clock = clock
+        self.lease = lease
+        self.queue = queue
+        # The event loop of async handlers: started on the first awaitable a handler
+        # returns (see await_result), stopped by stop().
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
+        self._loop_closed = False
+        self._awaiting: set[Future[Any]] = set()  # results pool threads wait for
+
+    def deadline(self, started_monotonic: float) -> float:
+        """The attempt's deadline (time.monotonic()): the handler must have returned by
+        then, and its lease is never extended beyond it (plus a margin)."""
+        return started_monotonic + self.lease * 0.8
+
+    def execute(self, row: Claimed, started_monotonic: float) -> Outcome:
+        """Run the handler for one claimed row (on a pool thread; no DB connection)."""
+        started_at = datetime.now(UTC)
+        headers = row.headers if isinstance(row.headers, dict) else {}
+        parent = propagate.extract(headers) if headers else None
+        registration = self.registry.get(row.kind)
+        with tracer.start_as_current_span(
+            f"outbox.deliver {row.kind}", context=parent, kind=trace.SpanKind.CONSUMER,
+            attributes={"outbox.effect_id": row.id, "outbox.effect_key": row.effect_key,
+                        "outbox.attempt": row.attempts, "outbox.kind": row.kind},
+        ) as span:
+            trace_id = format(span.get_span_context().trace_id, "032x")
+            effect = EffectContext(
+                id=row.id, key=row.effect_key, kind=row.kind, payload=row.payload,
+                attempt=row.attempts, max_attempts=row.max_attempts,
+                deadline=self.deadline(started_monotonic), created_at=row.created_at,
+                ordering_key=row.ordering_key)
+            t0 = time.perf_counter()
+            try:
+                if registration is None:
+                    raise TransientFailure(f"no handler registered for kind {row.kind!r}")
+                result = registration.handler(effect)
+                if inspect.isawaitable(result):  # never record a coroutine as delivered
+                    result = self.await_result(result, effect.deadline)
+                _crashpoint("after_deliver_before_record")
+            # Every failure is classified by the policy, BaseExceptions too: a handler
+            # raising SystemExit or KeyboardInterrupt used to skip it (and the cap).
+            except BaseException as exc:
+                duration = time.perf_counter() - t0
+                # `retry_until` was set from the database clock (or the injected one):
+                # compare it with the same clock, not with this host's wall time.
+                decision = self.policy.decide(
+                    attempt=row.attempts, max_attempts=row.max_attempts, error=exc,
+                    retry_safe=registration.retry_safe if registration else True,
+                    retry_until=row.retry_until, now=self.clock() or datetime.now(UTC))
+                detail = exc.detail if isinstance(exc, DeliveryError) else None
+                http_status = _http_status(
+                    exc.http_status if isinstance(exc, DeliveryError) else None)
+                span.set_attribute("outbox.outcome", decision.outcome)
+                if http_status is not None:
+                    span.set_attribute("http.response.status_code", http_status)
+                span.record_exception(exc, attributes=exception_attributes(exc))
+                delivery_duration.record(duration, {"kind": row.kind,
+                                                    "outcome": decision.outcome})
+                return Outcome(
+                    effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+                    outcome=AttemptOutcome(decision.outcome),
+                    next_status=EffectStatus(decision.next_status),
+                    started_at=started_at, delay=decision.delay,
+                    error=_db_text(redact_secrets(f"{type(exc).__name__}: {exc}")[:2000]),
+                    result=_jsonb_text(detail) if detail is not None else None,
+                    http_status=http_status, trace_id=trace_id)
+            duration = time.perf_counter() - t0
+            span.set_attribute("outbox.outcome", "delivered")
+            delivery_duration.record(duration, {"kind": row.kind, "outcome": "delivered"})
+            delivery_lag.record(
+                max(0.0, (datetime.now(UTC) - row.created_at).total_seconds()),
+                {"kind": row.kind})
+            status = result.get("status") if isinstance(result, dict) else None
+            return Outcome(
+                effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+                outcome=_DELIVERED, next_status=_ST_DELIVERED, started_at=started_at,
+                result=_jsonb_text(result) if result is not None else None,
+                http_status=_http_status(status), trace_id=trace_id)
+
+    def crashed(self, row: Claimed, exc: BaseException) -> Outcome:
+        """The outcome when `execute` itself failed (a bug in a policy, say): retried
+        with backoff, never stranded, but dead-lettered at the cap like any attempt."""
+        now = self.clock() or datetime.now(UTC)
+        error = _db_text(redact_secrets(f"{type(exc).__name__}: {exc}")[:2000])
+        if RetryPolicy.exhausted(attempt=row.attempts, max_attempts=row.max_attempts,
+                                 retry_until=row.retry_until, now=now):
+            return Outcome(
+                effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+                outcome=AttemptOutcome.FAILED, next_status=EffectStatus.FAILED,
+                started_at=datetime.now(UTC), error=error)
+        return Outcome(
+            effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+            outcome=AttemptOutcome.RETRY, next_status=EffectStatus.PENDING,
+            started_at=datetime.now(UTC), delay=min(60.0, 2.0 ** row.attempts), error=error)
+
+    def released(self, row: Claimed, started_monotonic: float) -> Outcome:
+        """The outcome of a delivery abandoned at shutdown: due again at once.
+
+        The request may already have reached the receiver, so the attempt is ambiguous;
+        a handler that declared it cannot be retried safely gets the effect parked for
+        review (DESIGN.md section 5), as for any other ambiguous outcome, instead of a
+        blind redelivery. The attempt counts: on the last allowed one (or past
+        `retry_until`) the effect is dead-lettered, else every shutdown mid-delivery
+        handed out one more attempt than the cap.
+        """
+        registration = self.registry.get(row.kind)
+        safe = registration.retry_safe if registration else True
+        started = datetime.now(UTC) - timedelta(seconds=time.monotonic() - started_monotonic)
+        error = "released: worker shut down mid-delivery"
+        if not safe:
+            outcome, next_status = AttemptOutcome.AMBIGUOUS, EffectStatus.NEEDS_REVIEW
+        elif RetryPolicy.exhausted(attempt=row.attempts, max_attempts=row.max_attempts,
+                                   retry_until=row.retry_until,
+                                   now=self.clock() or datetime.now(UTC)):
+            outcome, next_status = AttemptOutcome.FAILED, EffectStatus.FAILED
+            error += " on the last allowed attempt"
+        else:
+            outcome, next_status = AttemptOutcome.AMBIGUOUS, EffectStatus.PENDING
+        return Outcome(
+            effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
+            outcome=outcome, next_status=next_status, started_at=started, delay=0.0,
+            error=error)
+
+    # -- async handlers ----------------------------------------------------------------
+
+    def await_result(self, awaitable: Awaitable[Any], deadline: float) -> Any:
+        """Run an async handler's awaitable to completion (on a pool thread).
+
+        One event loop per Dispatcher, on its own thread, rather than `asyncio.run` per
+        delivery: a loop per call costs a loop's setup each time and, worse, breaks
+        handlers that keep an async client (httpx.AsyncClient, a connection pool)
+        across deliveries, since those are bound to the loop they were made on. The
+        pool thread waits for the result, so `concurrency` still caps deliveries in
+        flight, and the outcome is classified like a sync handler's. The deliver span
+        stays current: the task copies this thread's context.
+        """
+        coro = _until_deadline(awaitable, deadline)
+        try:
+            with self._loop_lock:  # scheduled before stop() looks, or refused
+                if self._loop_closed:
+                    raise RuntimeError("the dispatcher was shut down: not delivered")
+                future = asyncio.run_coroutine_threadsafe(coro, self._event_loop())
+                self._awaiting.add(future)
+            try:
+                return future.result()
+            finally:
+                with self._loop_lock:
+                    self._awaiting.discard(future)
+        finally:
+            # Refused, or cancelled by stop() before it ran: close what never
+            # started (an unawaited coroutine warns when collected).
+            for c in (coro, awaitable):
+                if inspect.iscoroutine(c) \
+                        and inspect.getcoroutinestate(c) == inspect.CORO_CREATED:
+                    c.close()
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop, started on first use (call with `_loop_lock` held)."""
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, daemon=True,
+                                      name=f"outbox-async-{self.queue}")
+            thread.start()
+            self._loop, self._loop_thread = loop, thread
+        return self._loop
+
+    def stop(self) -> None:
+        """Cancel async deliveries still running (released: their outcomes are
+        dropped), let them unwind, and stop the loop's thread.
+
+        The loop stops only after the cancelled tasks finished and handed their
+        outcome to the waiting pool threads; stopped sooner, a pool thread waited
+        forever (and the process could not exit: executor threads are joined).
+        """
+        with self._loop_lock:
+            loop, thread = self._loop, self._loop_thread
+            self._loop = self._loop_thread = None
+            self._loop_closed = True
+        if loop is None or thread is None:
+            return
+
+        async def cancel_all() -> None:
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        if thread.is_alive():  # a handler blocks the loop: leave the daemon thread
+            return
+        loop.close()
+        with self._loop_lock:  # a task that ignored its cancellation: not delivered
+            stranded, self._awaiting = self._awaiting, set()
+        for future in stranded:
+            if not future.done():
+                future.set_exception(RuntimeError("the dispatcher was shut down"))

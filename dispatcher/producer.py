@@ -1,0 +1,149 @@
+"""The producer: claims only as many effects as the dispatcher has free slots.
+
+A claim is one autocommitted statement (no BEGIN or COMMIT round trip). The rescue
+of expired leases rides along only when it can matter (the last claim came up short,
+or a second passed): issue 17, off the hot path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from outbox._idempotency import Clock
+from outbox.sql import dispatch as sql
+from outbox.sql.dispatch import Claimed
+
+log = logging.getLogger("outbox.dispatcher")
+
+# Reconnect-and-retry for the loop's own short transactions (F25): a terminated
+# backend or a restarting server must not kill the worker. If a write keeps failing
+# the lease expires and the effect is redelivered with the same key.
+db_retry = retry(
+    retry=retry_if_exception_type(DBAPIError),
+    stop=stop_after_delay(10),
+    wait=wait_exponential(multiplier=0.05, max=2),
+    reraise=True,
+)
+
+# Under a saturated backlog (every claim full), expired leases are looked for at least
+# this often (seconds); otherwise on every claim that came up short.
+RESCUE_EVERY = 1.0
+
+
+def backend_pid(conn: Any) -> int | None:
+    """The server process behind a SQLAlchemy connection, known to psycopg without a
+    round trip (None for a driver that does not say)."""
+    try:
+        pid = conn.connection.dbapi_connection.info.backend_pid
+    except AttributeError:
+        return None
+    return pid if isinstance(pid, int) and pid > 0 else None
+
+
+class HeldConnection:
+    """AUTOCOMMIT pooled connections, one per statement.
+
+    Each statement the loop runs is its own transaction (autocommit: no BEGIN/COMMIT
+    round trips). The connection goes back to the pool after each statement: none may
+    stay checked out while a handler runs (F12, tests/test_faults.py), and the
+    `outbox worker` engine has no pre-ping, so a checkout costs no round trip. An error
+    invalidates a broken connection, so `db_retry`'s next try gets a fresh one.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[Connection]:
+        conn = self._engine.connect()
+        try:
+            yield conn
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+                    conn.invalidate()
+            raise
+        finally:
+            conn.close()
+
+
+class Producer:
+    """Claims due effects of one queue for one worker."""
+
+    def __init__(self, engine: Engine, *, queue: str, worker_id: str, lease: float,
+                 clock: Clock) -> None:
+        self.conn = HeldConnection(engine)
+        self.queue = queue
+        self.worker_id = worker_id
+        self.lease = lease
+        self.clock = clock
+        self._short = True  # the last claim took fewer rows than it asked for
+        self._last_rescue = 0.0
+
+    def claim(self, limit: int) -> list[Claimed]:
+        """Claim with one lease token for this call and every retry of it.
+
+        The claim commits on its own (autocommit): when the reply is lost after the
+        UPDATE committed, a blind retry claimed other rows while the first batch sat
+        in flight, undelivered, for a whole lease, its attempt counted (and on the
+        last allowed attempt the sweep dead-lettered an effect never delivered). So a
+        retry first takes back the rows holding this call's token.
+        """
+        token = uuid.uuid4()
+        pids: list[int] = []  # backends of earlier tries
+        tries = [0]
+        now = time.monotonic()
+        rescue = self._short or now - self._last_rescue >= RESCUE_EVERY
+        if rescue:
+            self._last_rescue = now
+
+        @db_retry
+        def attempt() -> list[Claimed]:
+            tries[0] += 1
+            return self._claim_try(limit, token, pids, retry=tries[0] > 1, rescue=rescue)
+
+        rows = attempt()
+        self._short = len(rows) < limit
+        return rows
+
+    def _claim_try(self, limit: int, token: uuid.UUID, pids: list[int], *,
+                   retry: bool, rescue: bool) -> list[Claimed]:
+        """One try of `claim`: on the normal path the claim alone (one round trip)."""
+        with self.conn() as conn:
+            if retry:
+                self._await_backends(conn, pids)
+                mine = sql.claimed_with(conn, queue=self.queue, token=token)
+                if mine:
+                    log.warning("claim retried after a lost reply: took back %d rows "
+                                "already claimed by the first try", len(mine))
+                    return mine
+            pid = backend_pid(conn)
+            if pid is not None:
+                pids.append(pid)
+            return sql.claim_due(conn, queue=self.queue, limit=limit, owner=self.worker_id,
+                                 lease_seconds=self.lease, now=self.clock(), token=token,
+                                 rescue=rescue)
+
+    def _await_backends(self, conn: Any, pids: list[int]) -> None:
+        """Wait until the earlier tries' backends run nothing: a claim whose client
+        connection broke may still be executing, and `claimed_with` could only see its
+        rows once it committed. Bounded (lease/3, at most 10 s) so that the loop keeps
+        extending the leases of its deliveries; past it, its rows wait for a rescue, as
+        do those of a claim that had not reached its backend yet when we looked.
+        """
+        deadline = time.monotonic() + min(10.0, self.lease / 3)
+        while sql.backends_busy(conn, pids):
+            if time.monotonic() >= deadline:
+                log.warning("an earlier try of this claim is still running on backend(s) "
+                            "%s; its rows will be rescued after their lease", pids)
+                return
+            time.sleep(0.02)
