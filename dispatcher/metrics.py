@@ -9,7 +9,11 @@ per `ttl` seconds per process, however many gauges or readers collect meanwhile.
 The values are database-wide, so every worker process reports the same numbers (one
 series per `service.instance.id`): aggregate with `max()`, never `sum()`, in queries.
 The same snapshot reads the lock waits on our tables from `pg_locks` (issue 15:
-`outbox.db.lock_waits`, `outbox.db.lock_wait_age`, per table; outbox/sql/locks.py).
+`outbox.db.lock_waits`, `outbox.db.lock_wait_age`, per table; outbox/sql/locks.py),
+and table health (issue 12, outbox/sql/health.py): live and dead tuples and the age of
+the last (auto)vacuum per table, and the xmin horizon by kind of holder (sessions,
+replication slots, prepared transactions) in transactions and, where known, seconds:
+the long transaction that keeps VACUUM from removing what the workers delete.
 
 Pool occupancy is per process: `instrument_pool(engine)` attaches the maintained
 OpenTelemetry SQLAlchemy instrumentation (the `otel` extra), which exports
@@ -48,6 +52,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from outbox import _telemetry
 from outbox._schema import metadata
 from outbox.sql import effects as fx
+from outbox.sql import health as hx
 from outbox.sql import keys as kx
 from outbox.sql import locks as lx
 
@@ -85,15 +90,20 @@ class QueueSnapshot:
     taken_at: float  # monotonic
     # Per table of ours: sessions waiting for a lock, and the longest wait (seconds).
     lock_waits: dict[str, lx.LockWaits] = field(default_factory=dict)
+    # Per table of ours: tuples and vacuum ages; per kind of holder: the xmin horizon.
+    tables: dict[str, hx.TableHealth] = field(default_factory=dict)
+    horizon: dict[str, hx.HorizonHolder] = field(default_factory=dict)
 
 
 def read_snapshot(engine: Engine, *, taken_at: float | None = None) -> QueueSnapshot:
-    """Query the database once (four short statements on one connection)."""
+    """Query the database once (six short statements on one connection)."""
     with engine.connect() as conn:
         counts = fx.count_effects(conn)
         health = fx.effect_health(conn)
         keys = kx.count_keys().run(conn)  # stale by each claim's own TTL
         waits = lx.lock_waits().run(conn)
+        tables = hx.table_health().run(conn)
+        horizon = hx.xmin_horizon().run(conn)
     return QueueSnapshot(
         effects={s: int(counts.get(s, 0)) for s in GAUGE_STATUSES},
         due=int(health["due"]),
@@ -102,6 +112,8 @@ def read_snapshot(engine: Engine, *, taken_at: float | None = None) -> QueueSnap
         stale_processing_keys=int(keys["stale_processing"]),
         taken_at=time.monotonic() if taken_at is None else taken_at,
         lock_waits=waits,
+        tables={t: h for t, h in tables.items() if t in LOCK_TABLES},
+        horizon=horizon,
     )
 
 
@@ -151,6 +163,31 @@ class QueueGauges:
             "outbox.db.lock_wait_age", callbacks=[self._observe_lock_wait_age], unit="s",
             description="How long the longest current lock wait on an outbox table has "
             "lasted (0 when none), by table")
+        m.create_observable_gauge(
+            "outbox.db.table.dead_tuples", callbacks=[self._observe_dead], unit="{tuple}",
+            description="Dead tuples of each outbox table (pg_stat_user_tables): what "
+            "VACUUM has yet to remove, or cannot while the xmin horizon is held")
+        m.create_observable_gauge(
+            "outbox.db.table.live_tuples", callbacks=[self._observe_live], unit="{tuple}",
+            description="Live tuples of each outbox table (pg_stat_user_tables estimate)")
+        m.create_observable_gauge(
+            "outbox.db.table.last_autovacuum_age", callbacks=[self._observe_autovacuum],
+            unit="s", description="Seconds since autovacuum last vacuumed the table "
+            "(no value when it never has since the statistics were reset)")
+        m.create_observable_gauge(
+            "outbox.db.table.last_vacuum_age", callbacks=[self._observe_vacuum], unit="s",
+            description="Seconds since the table was last vacuumed, by VACUUM or "
+            "autovacuum (no value when never)")
+        m.create_observable_gauge(
+            "outbox.db.xmin_horizon.age", callbacks=[self._observe_horizon_age],
+            unit="{transaction}",
+            description="Age in transactions of the oldest xmin held in this database, by "
+            "holder: session, replication_slot, prepared_xact (0 when none)")
+        m.create_observable_gauge(
+            "outbox.db.xmin_horizon.duration", callbacks=[self._observe_horizon_seconds],
+            unit="s",
+            description="How long the oldest transaction holding the xmin horizon has "
+            "been open, by holder: session, prepared_xact (0 when none; slots: unknown)")
 
     def snapshot(self) -> QueueSnapshot | None:
         """The cached snapshot, refreshed when older than `ttl`; None if unreadable."""
@@ -209,6 +246,50 @@ class QueueGauges:
         none = lx.LockWaits(0, 0.0)
         return [Observation(snap.lock_waits.get(t, none).longest_seconds, {"table": t})
                 for t in LOCK_TABLES]
+
+    def _observe_dead(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        return [] if snap is None else [Observation(h.dead_tuples, {"table": t})
+                                        for t, h in sorted(snap.tables.items())]
+
+    def _observe_live(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        return [] if snap is None else [Observation(h.live_tuples, {"table": t})
+                                        for t, h in sorted(snap.tables.items())]
+
+    def _observe_autovacuum(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        return [] if snap is None else [
+            Observation(h.since_autovacuum, {"table": t})
+            for t, h in sorted(snap.tables.items()) if h.since_autovacuum is not None]
+
+    def _observe_vacuum(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        return [] if snap is None else [
+            Observation(h.since_vacuum, {"table": t})
+            for t, h in sorted(snap.tables.items()) if h.since_vacuum is not None]
+
+    def _observe_horizon_age(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        if snap is None:
+            return []
+        return [Observation(h.xid_age if (h := snap.horizon.get(k)) else 0, {"holder": k})
+                for k in hx.HOLDERS]
+
+    def _observe_horizon_seconds(self, options: CallbackOptions) -> Iterable[Observation]:
+        snap = self.snapshot()
+        if snap is None:
+            return []
+        out = []
+        for k in hx.HOLDERS:
+            h = snap.horizon.get(k)
+            if k == "replication_slot":  # a slot has no start time
+                continue
+            if h is None:
+                out.append(Observation(0.0, {"holder": k}))
+            elif h.seconds is not None:  # else hidden from this role: no value, not 0
+                out.append(Observation(h.seconds, {"holder": k}))
+        return out
 
 
 _lock = threading.Lock()
