@@ -279,6 +279,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from examples.payments.demo import main as demo_main
+    from outbox._config import EMBEDDED_ENV
+
+    os.environ.setdefault(EMBEDDED_ENV, "1")  # the demo brings its own database
 
     return int(demo_main(args))
 
@@ -287,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="outbox",
         description="Idempotency keys, transactional outbox and dispatcher for PostgreSQL. "
-        "Uses $DATABASE_URL, or an embedded PostgreSQL in ./.outbox when unset.")
+        "Uses $DATABASE_URL (the demo starts an embedded PostgreSQL in ./.outbox "
+        "when it is unset; OUTBOX_EMBEDDED=1 makes every command do so).")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     sub = p.add_subparsers(dest="command", required=True)
 

