@@ -1,8 +1,17 @@
-"""The `outbox` command: migrate, worker, status, trace, retry, cancel, purge, demo, ui.
+"""The `outbox` command: migrate, worker, status, list, trace, retry, cancel, purge,
+demo, ui.
 
 It lives in `dispatcher` because `outbox worker` runs the dispatcher, and the
-`outbox` package must not import `dispatcher`. Errors are one line on stderr; exit
-codes: 0 ok, 1 operational failure (database unreachable, invariant failed), 2 usage.
+`outbox` package must not import `dispatcher`. Errors are one line on stderr.
+
+Exit codes (scripts may rely on them):
+
+- 0: ok (a filter that matches nothing is ok too: there was nothing to do);
+- 1: operational failure: the database is unreachable, an invariant failed, the schema
+  is behind (`migrate --check`) or missing (`status`: run `outbox migrate`), or none
+  of the given effects could be retried/cancelled in their current status;
+- 2: usage: bad arguments or configuration;
+- 3: not found: no effect with the given id or key (`trace`, `retry`/`cancel` by ids).
 """
 
 from __future__ import annotations
@@ -27,8 +36,24 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
 _UNITS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
+
+
 class UsageError(OutboxError):
     """Bad arguments: exit code 2."""
+
+
+class NotFound(OutboxError):
+    """No effect with that id or key: exit code 3."""
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pg-outbox")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
 
 
 def parse_duration(text: str) -> float:
@@ -43,10 +68,33 @@ def _engine(name: str) -> Engine:
     return make_engine(application_name=f"outbox-{name}", pool_size=4, max_overflow=4)
 
 
+def schema_revisions(engine: Engine) -> tuple[str | None, str | None]:
+    """(the database's Alembic revision, None when unmigrated; the package's head)."""
+    from alembic.script import ScriptDirectory
+
+    from outbox import _migrate
+
+    head = ScriptDirectory.from_config(_migrate.alembic_config()).get_current_head()
+    with engine.connect() as conn:
+        return _migrate.current(conn), head
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
+    """Upgrade to head; `--check` only compares (exit 1 when behind), `--current` only
+    prints the database's revision."""
     from outbox import _migrate
     from outbox._config import database_url
 
+    if args.check or args.current:
+        current, head = schema_revisions(_engine("migrate"))
+        if args.current:
+            print(current or "none")
+            return EXIT_OK
+        print(f"current {current or 'none (not migrated)'}, head {head}")
+        if current != head:
+            print("outbox: the schema is behind: run `outbox migrate`", file=sys.stderr)
+            return EXIT_FAILURE
+        return EXIT_OK
     url = database_url()
     _migrate.upgrade(url)
     print("migrated to head", file=sys.stderr)
@@ -73,7 +121,14 @@ def status_snapshot(engine: Engine) -> dict[str, Any]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    snap = status_snapshot(_engine("status"))
+    engine = _engine("status")
+    current, head = schema_revisions(engine)
+    if current is None:
+        raise OutboxError("this database has no outbox schema: run `outbox migrate`")
+    if current != head:
+        print(f"outbox: warning: the schema is at {current}, the code expects {head}: "
+              "run `outbox migrate`", file=sys.stderr)
+    snap = status_snapshot(engine)
     if args.json:
         print(json.dumps(snap))
         return 0
@@ -100,7 +155,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     with engine.connect() as conn:
         row = fx.get_effect(conn, args.id)
         if row is None:
-            raise UsageError(f"no effect with id or key {args.id!r}")
+            raise NotFound(f"no effect with id or key {args.id!r}")
         attempts = fx.attempts_of(conn, row.id)
     effect = {k: (v.isoformat() if hasattr(v, "isoformat") else
                   str(v) if k == "lease_token" and v is not None else v)
@@ -132,24 +187,160 @@ def _ids(values: Sequence[str]) -> list[int]:
         raise UsageError("effect ids are integers") from None
 
 
-def cmd_retry(args: argparse.Namespace) -> int:
+def _effect_filter(args: argparse.Namespace, statuses: Sequence[str] = ()) -> Any:
+    """The console's EffectFilter from `--status/--kind/--queue/--older-than/--newer-than`;
+    None when no filter was given."""
+    from outbox.sql.console import EffectFilter
+
+    older = parse_duration(args.older_than) if args.older_than else None
+    newer = parse_duration(args.newer_than) if args.newer_than else None
+    chosen = tuple(dict.fromkeys(getattr(args, "status", None) or statuses))
+    if not (getattr(args, "status", None) or args.kind or args.queue or older is not None
+            or newer is not None):
+        return None
+    return EffectFilter(statuses=chosen, kind=args.kind, queue=args.queue,
+                        older_than=older, newer_than=newer)
+
+
+def _missing(conn: Any, ids: Sequence[int]) -> list[int]:
     from outbox.sql import effects as fx
 
-    if not args.ids and not args.failed:
-        raise UsageError("give effect ids or --failed")
-    with _engine("retry").begin() as conn:
-        done = fx.requeue(conn, _ids(args.ids), all_failed=args.failed)
-    print(f"requeued {len(done)} effects" + (f": {done[:20]}" if done else ""))
-    return 0 if done or args.failed else 1
+    return [i for i in ids if fx.get_effect(conn, str(i)) is None]
+
+
+def _by_ids(name: str, ids: list[int], dry_run: bool, allowed: Sequence[str],
+            act: Any) -> int:
+    """retry/cancel by ids: 3 when none exists, 1 when none is in a status it acts on."""
+    engine = _engine(name)
+    with engine.begin() as conn:
+        missing = _missing(conn, ids)
+        if len(missing) == len(ids):
+            raise NotFound(f"no effect with id {', '.join(map(str, missing))}")
+        if dry_run:
+            from outbox.sql import effects as fx
+
+            rows = [fx.get_effect(conn, str(i)) for i in ids if i not in missing]
+            done = [r.id for r in rows if r is not None and r.status in allowed]
+        else:
+            done = act(conn, ids)
+    verb = {"retry": "requeued", "cancel": "cancelled"}[name]
+    print(f"{'would have ' if dry_run else ''}{verb} {len(done)} effects"
+          + (f": {done[:20]}" if done else ""))
+    if missing:
+        print(f"outbox: warning: no effect with id {', '.join(map(str, missing))}",
+              file=sys.stderr)
+    return EXIT_OK if done else EXIT_FAILURE
+
+
+def _by_filter(name: str, f: Any, *, dry_run: bool, limit: int, batch: int,
+               count: Any, act: Any) -> int:
+    """retry/cancel by filter: count (up to `limit`) and fence the set at its highest id,
+    then act in batches of fenced statements. A match of nothing is not an error."""
+    engine = _engine(name)
+    with engine.connect() as conn:
+        n, max_id = count(conn, f, cap=limit)
+    verb = {"retry": "requeued", "cancel": "cancelled"}[name]
+    if dry_run or not n or max_id is None:
+        print(f"{'would have ' if dry_run else ''}{verb} {n} effects"
+              + (f" (the first {limit} matching; --limit)" if n >= limit else ""))
+        return EXIT_OK
+    done: list[int] = []
+    while len(done) < n:
+        with engine.begin() as conn:
+            step = act(conn, f, max_id=max_id, limit=min(batch, n - len(done)))
+        if not step:
+            break  # the rest changed status meanwhile (the fence left them alone)
+        done.extend(step)
+    print(f"{verb} {len(done)} effects" + (f": {done[:20]}" if done else ""))
+    return EXIT_OK
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    """By ids (failed, parked or cancelled effects), `--failed` (every dead letter), or
+    by filter (dead letters only, like the console's redrive: a parked effect may have
+    been applied, so it is retried by id, after a look)."""
+    from outbox.sql import console as cx
+    from outbox.sql import effects as fx
+
+    f = _effect_filter(args, statuses=("failed",))
+    if f is not None and f.statuses != ("failed",):
+        raise UsageError("retry by filter takes dead letters only (--status failed); "
+                         "retry parked or cancelled effects by id")
+    if args.ids and (f is not None or args.failed):
+        raise UsageError("give effect ids, or --failed, or filters, not several")
+    if args.ids:
+        return _by_ids("retry", _ids(args.ids), args.dry_run,
+                       ("failed", "needs_review", "cancelled"),
+                       lambda conn, ids: fx.requeue(conn, ids))
+    if f is None and not args.failed:
+        raise UsageError("give effect ids, --failed, or a filter "
+                         "(--kind, --queue, --older-than, --newer-than)")
+    f = f or cx.EffectFilter(statuses=("failed",))
+    return _by_filter("retry", f, dry_run=args.dry_run, limit=args.limit, batch=args.batch,
+                      count=cx.count_redrivable, act=cx.redrive_dead_letters)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    """By ids or by filter; never an in-flight effect (it may already be applied)."""
     from outbox.sql import effects as fx
 
-    with _engine("cancel").begin() as conn:
-        done = fx.cancel(conn, _ids(args.ids))
-    print(f"cancelled {len(done)} effects" + (f": {done}" if done else ""))
-    return 0 if done else 1
+    f = _effect_filter(args)
+    if args.ids and f is not None:
+        raise UsageError("give effect ids or filters, not both")
+    if args.ids:
+        return _by_ids("cancel", _ids(args.ids), args.dry_run, fx.CANCELLABLE,
+                       lambda conn, ids: fx.cancel(conn, ids))
+    if f is None:
+        raise UsageError("give effect ids or a filter (--status, --kind, --queue, "
+                         "--older-than, --newer-than)")
+    bad = [s for s in f.statuses if s not in fx.CANCELLABLE]
+    if bad:
+        raise UsageError(f"cannot cancel {', '.join(bad)} effects; "
+                         f"cancellable: {', '.join(fx.CANCELLABLE)}")
+    return _by_filter("cancel", f, dry_run=args.dry_run, limit=args.limit,
+                      batch=args.batch, count=fx.count_cancellable, act=fx.cancel_matching)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Effects matching the filters, newest first (the console's list statement)."""
+    from outbox.sql import console as cx
+
+    f = _effect_filter(args) or cx.EffectFilter()
+    with _engine("list").connect() as conn:
+        rows = cx.list_effects(conn, f, limit=args.limit)
+    if args.json:
+        for r in rows:
+            # Not last_error: `outbox trace` shows it (redacted), a list does not.
+            print(json.dumps({k: (v.isoformat() if hasattr(v, "isoformat") else v)
+                              for k, v in r._mapping.items() if k != "last_error"},
+                             default=str))
+        return EXIT_OK
+    for r in rows:
+        print(f"#{r.id:<8} {r.status:<12} {r.kind:<20} {r.queue:<10} "
+              f"attempts {r.attempts}/{r.max_attempts}  created {r.created_at:%Y-%m-%d %H:%M:%S}"
+              f"  {r.effect_key}")
+    print(f"{len(rows)} effects" + (f" (the newest {args.limit}; --limit)"
+                                    if len(rows) == args.limit else ""), file=sys.stderr)
+    return EXIT_OK
+
+
+def _filter_arguments(parser: argparse.ArgumentParser, statuses: Sequence[str]) -> None:
+    parser.add_argument("--status", action="append", choices=statuses,
+                        help="repeatable; any of them")
+    parser.add_argument("--kind", default=None, help="effect kind")
+    parser.add_argument("--queue", default=None)
+    parser.add_argument("--older-than", default=None, metavar="AGE",
+                        help="created at least this long ago (e.g. 1h, 7d)")
+    parser.add_argument("--newer-than", default=None, metavar="AGE",
+                        help="created at most this long ago")
+
+
+def _bulk_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true", help="say what would change")
+    parser.add_argument("--limit", type=int, default=10000,
+                        help="act on at most this many matching effects (10000)")
+    parser.add_argument("--batch", type=int, default=500,
+                        help="effects per transaction (500)")
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
@@ -293,9 +484,16 @@ def build_parser() -> argparse.ArgumentParser:
         "Uses $DATABASE_URL (the demo starts an embedded PostgreSQL in ./.outbox "
         "when it is unset; OUTBOX_EMBEDDED=1 makes every command do so).")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    p.add_argument("--version", action="version",
+                   version=f"outbox (pg-outbox) {package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("migrate", help="apply the schema migrations").set_defaults(fn=cmd_migrate)
+    mg = sub.add_parser("migrate", help="apply the schema migrations")
+    mg.add_argument("--check", action="store_true",
+                    help="only compare with the head; exit 1 when the schema is behind")
+    mg.add_argument("--current", action="store_true",
+                    help="only print the database's revision ('none': not migrated)")
+    mg.set_defaults(fn=cmd_migrate)
 
     w = sub.add_parser("worker", help="run the standalone dispatcher")
     w.add_argument("--concurrency", type=int, default=8, help="deliveries in flight (8)")
@@ -312,18 +510,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
 
+    ls = sub.add_parser("list", help="effects by status, kind, queue and age, newest first")
+    _filter_arguments(ls, STATUSES)
+    ls.add_argument("--limit", type=int, default=50, help="at most this many (50)")
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    ls.set_defaults(fn=cmd_list)
+
     t = sub.add_parser("trace", help="an effect and its attempts, by id or effect key")
     t.add_argument("id")
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_trace)
 
-    r = sub.add_parser("retry", help="requeue failed/parked effects")
+    r = sub.add_parser("retry", help="requeue failed/parked effects, by id or filter")
     r.add_argument("ids", nargs="*")
     r.add_argument("--failed", action="store_true", help="every dead-lettered effect")
+    _filter_arguments(r, ("failed",))
+    _bulk_arguments(r)
     r.set_defaults(fn=cmd_retry)
 
-    c = sub.add_parser("cancel", help="cancel effects that are not in flight")
-    c.add_argument("ids", nargs="+")
+    c = sub.add_parser("cancel", help="cancel effects that are not in flight, by id or filter")
+    c.add_argument("ids", nargs="*")
+    _filter_arguments(c, STATUSES)
+    _bulk_arguments(c)
     c.set_defaults(fn=cmd_cancel)
 
     pu = sub.add_parser("purge", help="delete old delivered effects and expired keys")
@@ -380,6 +588,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.fn(args))
+    except NotFound as exc:
+        print(f"outbox: not found: {exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND
     except UsageError as exc:
         print(f"outbox: error: {exc}", file=sys.stderr)
         return 2

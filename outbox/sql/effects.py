@@ -263,3 +263,64 @@ def purge_finished_effects(conn: Connection, older_than_seconds: float, batch: i
     """
     params = {"older_than": older_than_seconds, "batch": batch, "now": now}
     return conn.execute(_PURGE_FINISHED, params).rowcount
+
+
+# --- by filter: `outbox cancel --kind/--queue/--older-than ... [--dry-run]` (issue 12) --
+#
+# The filter fragments are the console's (outbox/sql/console.py: kind, queue, ordering
+# key, key prefix, created before/after), composed the same way: one statement text per
+# combination of filters, values always bound. Fenced like `cancel`: the UPDATE tests
+# the status again (READ COMMITTED re-checks only its own WHERE), so a row a worker
+# claimed since the inner SELECT (now in flight: it may already be applied) is left
+# alone; `max_id` keeps the set to what the count (or the dry run) saw.
+
+#: What `cancel` may cancel (an in-flight effect may already be applied).
+CANCELLABLE = ("pending", "failed", "needs_review")
+
+
+def _cancellable(statuses: Sequence[str]) -> list[str]:
+    return [s for s in (statuses or CANCELLABLE) if s in CANCELLABLE]
+
+
+def _matching_where(f: Any) -> str:
+    from outbox.sql.console import _conditions, _filter_names
+
+    return _conditions(_filter_names(f, False))
+
+
+def count_cancellable(conn: Connection, f: Any, *, cap: int,
+                      now: datetime | None = None) -> tuple[int, int | None]:
+    """(effects matching the console filter `f` that `cancel_matching` would cancel, up
+    to `cap`; the highest id among them). `f.statuses` narrows CANCELLABLE."""
+    stmt = text(
+        f"""
+        SELECT count(*) AS n, max(id) AS max_id FROM (
+          SELECT id FROM outbox.effects
+           WHERE status = ANY(CAST(:statuses AS text[])) AND {_matching_where(f)}
+           ORDER BY id LIMIT :cap) AS s
+        """
+    )
+    params = f.params() | {"statuses": _cancellable(f.statuses), "cap": cap, "now": now}
+    row = conn.execute(stmt, params).one()
+    return int(row.n), row.max_id
+
+
+def cancel_matching(conn: Connection, f: Any, *, max_id: int, limit: int,
+                    now: datetime | None = None) -> list[int]:
+    """Cancel up to `limit` effects matching the console filter `f` with ids <= `max_id`
+    that are not in flight, oldest first; the ids cancelled."""
+    stmt = text(
+        f"""
+        UPDATE outbox.effects SET status = 'cancelled', finished_at = {_NOW}
+         WHERE id = ANY(ARRAY(
+               SELECT id FROM outbox.effects
+                WHERE status = ANY(CAST(:statuses AS text[])) AND {_matching_where(f)}
+                  AND id <= :max_id
+                ORDER BY id LIMIT :limit))
+           AND status = ANY(CAST(:statuses AS text[]))
+        RETURNING id
+        """
+    )
+    params = f.params() | {"statuses": _cancellable(f.statuses), "max_id": max_id,
+                           "limit": limit, "now": now}
+    return sorted(r.id for r in conn.execute(stmt, params))
