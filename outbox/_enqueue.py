@@ -15,15 +15,16 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry import propagate, trace
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from sqlalchemy import event
 
-from outbox._canonical import _check_strings
+from outbox._canonical import MAX_KEY_LENGTH, _check_strings, parse_idempotency_key
 from outbox._config import NOTIFY_CHANNEL
 from outbox._driver import Query, adrive, drive
 from outbox._idempotency import Claim, Clock, Connectable, database_clock
 from outbox._telemetry import effects_enqueued, tracer
-from outbox.errors import EffectKeyConflict, InvalidInput
+from outbox.errors import EffectKeyConflict, InvalidIdempotencyKey, InvalidInput
 from outbox.sql import effects as sql
 
 DEFAULT_MAX_ATTEMPTS = 25
@@ -78,15 +79,42 @@ class Enqueued:
         return "inserted" if self.inserted else "duplicate"
 
 
+def _is_header_token(value: object, limit: int) -> bool:
+    """What a receiver's `parse_idempotency_key` reads back unchanged: printable ASCII
+    (0x21-0x7E), no comma (a list), not quoted, 1-`limit` characters."""
+    if not isinstance(value, str) or not 1 <= len(value) <= limit:
+        return False
+    try:
+        return parse_idempotency_key(value) == value
+    except InvalidIdempotencyKey:
+        return False
+
+
+def check_effect_key(key: object) -> None:
+    """Refuse a key that cannot travel as the receiver's `Idempotency-Key` header.
+
+    Checked at enqueue (a bad key is the caller's error, now) rather than found by the
+    HTTP library at delivery: CR/LF was refused there as an ambiguous failure and
+    retried 25 times, and non-ASCII raised.
+    """
+    if not _is_header_token(key, MAX_KEY_LENGTH):
+        raise InvalidInput(
+            f"an effect key is 1-{MAX_KEY_LENGTH} printable ASCII characters without "
+            "spaces or commas (it is sent as the receiver's Idempotency-Key)")
+
+
 def _validate(effect: Effect) -> None:
-    if not effect.kind or len(effect.kind) > 200:
-        raise InvalidInput("an effect kind is 1-200 characters")
+    # The kind starts every derived key (`kind:digest`), names a handler and labels
+    # metrics: the same characters as a key.
+    if not _is_header_token(effect.kind, 200):
+        raise InvalidInput("an effect kind is 1-200 printable ASCII characters without "
+                           "spaces or commas")
     if effect.max_attempts < 1:
         raise InvalidInput("max_attempts must be at least 1")
     if effect.delay < 0 or (effect.retry_for is not None and effect.retry_for <= 0):
         raise InvalidInput("delay must be >= 0 and retry_for > 0")
-    if effect.key is not None and not (1 <= len(effect.key) <= 255):
-        raise InvalidInput("an effect key is 1-255 characters")
+    if effect.key is not None:
+        check_effect_key(effect.key)
     _check_strings(effect.payload)
 
 
@@ -241,10 +269,16 @@ def _insert(batch: Sequence[Effect], keys: list[str], unique: dict[str, dict[str
     return results
 
 
+# Only the W3C trace context rides in an effect row. The global propagator also
+# injects `baggage`, which a client may set to anything (`user.email=...`): stored, it
+# would sit in every effect row and travel to every receiver.
+_TRACE_CONTEXT = TraceContextTextMapPropagator()
+
+
 def _carrier() -> str:
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return json.dumps(carrier)
+    _TRACE_CONTEXT.inject(carrier)
+    return json.dumps({k: v for k, v in carrier.items() if k in ("traceparent", "tracestate")})
 
 
 def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
