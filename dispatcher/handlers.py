@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Awaitable, Callable
+import ssl
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+import httpcore
 import httpx
 from opentelemetry import propagate
 
+from outbox._enqueue import check_effect_key
+from outbox._redact import redact_secrets
 from outbox.errors import (
     AmbiguousOutcome,
     ConfigurationError,
+    InvalidInput,
     PermanentFailure,
     RetryAfter,
     TransientFailure,
@@ -96,9 +103,103 @@ def _retry_after_seconds(value: str | None) -> float | None:
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
 
 
-def _summary(response: httpx.Response) -> dict[str, Any]:
-    text = response.text
-    return {"status": response.status_code, "body": text[:512]}
+# -- the attempt's deadline, enforced on every socket operation ---------------------
+#
+# httpx's timeout bounds each read, write and connect on its own: a receiver trickling
+# one byte every 0.5 s never trips a 1 s timeout, and kept an attempt running (and its
+# worker slot taken) for as long as it liked. The handler sets the attempt's deadline
+# for its thread; the network backend below gives every socket operation of that
+# thread at most the time left, and refuses one past it (an httpcore timeout, which
+# httpx maps to its own). Without a deadline set it changes nothing.
+
+_deadline = threading.local()
+
+
+def _bounded(timeout: float | None, error: type[Exception]) -> float | None:
+    at: float | None = getattr(_deadline, "at", None)
+    if at is None:
+        return timeout
+    left = at - time.monotonic()
+    if left <= 0:
+        raise error("the attempt's deadline passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _bounded(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _bounded(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.start_tls(
+            ssl_context, server_hostname, _bounded(timeout, httpcore.ConnectTimeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    def __init__(self, inner: httpcore.NetworkBackend) -> None:
+        self._inner = inner
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.connect_tcp(
+            host, port, _bounded(timeout, httpcore.ConnectTimeout), local_address,
+            socket_options))
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Iterable[Any] | None = None
+                            ) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.connect_unix_socket(
+            path, _bounded(timeout, httpcore.ConnectTimeout), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+def install_deadlines(client: httpx.Client) -> bool:
+    """Make `client`'s connections honour the attempt deadline `HttpHandler` sets.
+
+    Wraps the network backend of each of its httpx transports (proxies included);
+    True if every one was reached. A custom transport (a MockTransport, say) is left
+    alone: then only the reply's body is bounded by the deadline, between chunks.
+    """
+    ok = True
+    for transport in (client._transport, *client._mounts.values()):
+        if transport is None:
+            continue
+        pool = getattr(transport, "_pool", None)
+        backend = getattr(pool, "_network_backend", None)
+        if not isinstance(backend, httpcore.NetworkBackend):
+            ok = False
+            continue
+        if not isinstance(backend, _DeadlineBackend):
+            pool._network_backend = _DeadlineBackend(backend)  # type: ignore[union-attr]
+    return ok
+
+
+#: Bytes of a reply read at most; the rest is never read (the connection is closed).
+MAX_REPLY_BYTES = 64 * 1024
+#: Characters of the reply kept in the stored summary.
+SUMMARY_CHARS = 512
+
+
+def _summary(status: int, body: str, truncated: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"status": status, "body": body[:SUMMARY_CHARS]}
+    if truncated:
+        out["truncated"] = True
+    return out
 
 
 class HttpHandler:
@@ -106,47 +207,117 @@ class HttpHandler:
 
     2xx: delivered. 408/409/425/429 and 5xx: retried (honouring Retry-After).
     Other 4xx: permanent. A timeout or reset after the request was sent is ambiguous:
-    the receiver may have applied it, so it is retried with the same key.
+    the receiver may have applied it, so it is retried with the same key (or parked
+    for review when the kind is not retry-safe).
+
+    `timeout` bounds the whole attempt, not each read: connect, send, the status and
+    headers and the reply's body must all fit in it (and in the effect's deadline).
+    Past it before the status line and headers are complete, the attempt is
+    ambiguous; past it while the body arrives, the status decides and the body read so
+    far is kept. Only the first `max_reply_bytes` of a reply are read (then the
+    connection is closed): a huge reply costs no memory. Credentials in the URL
+    (`https://user:pass@host/...`) are sent as an `Authorization: Basic` header and
+    appear nowhere else: not in errors, attempts, spans or logs.
     """
 
     def __init__(self, url: str, *, timeout: float = 10.0,
                  headers: dict[str, str] | None = None,
-                 client: httpx.Client | None = None) -> None:
-        self.url = url
+                 client: httpx.Client | None = None,
+                 max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
+        if timeout <= 0 or max_reply_bytes < 0:
+            raise ConfigurationError("timeout must be > 0 and max_reply_bytes >= 0")
+        parsed = httpx.URL(url)
+        self._auth: httpx.Auth | None = None
+        if parsed.userinfo:
+            self._auth = httpx.BasicAuth(parsed.username, parsed.password)
+            parsed = parsed.copy_with(username=None, password=None)
+            url = str(parsed)
+        self.url = url  # never holds credentials
+        self._shown_url = redact_secrets(url)
         self.timeout = timeout
+        self.max_reply_bytes = max_reply_bytes
         self.headers = dict(headers or {})
         self.client = client or httpx.Client(
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+        install_deadlines(self.client)
+
+    def __repr__(self) -> str:
+        return f"HttpHandler({self._shown_url!r}, timeout={self.timeout:g})"
 
     def __call__(self, effect: EffectContext) -> Any:
-        import time
-
+        try:
+            check_effect_key(effect.key)
+        except InvalidInput as exc:  # a row written before enqueue checked keys
+            raise PermanentFailure(str(exc)) from None
         headers = dict(self.headers)
         headers["Idempotency-Key"] = effect.key
         headers["X-Outbox-Attempt"] = str(effect.attempt)
+        headers["Accept-Encoding"] = "identity"  # a prefix of the raw bytes is readable
         propagate.inject(headers)  # traceparent of the current deliver span
-        remaining = effect.deadline - time.monotonic()
-        timeout = max(0.1, min(self.timeout, remaining))
+        deadline = min(effect.deadline, time.monotonic() + self.timeout)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransientFailure("the attempt's deadline passed before sending")
+        previous = getattr(_deadline, "at", None)
+        _deadline.at = deadline if previous is None else min(previous, deadline)
+        auth: Any = self._auth if self._auth is not None else httpx.USE_CLIENT_DEFAULT
         try:
-            response = self.client.post(self.url, json=effect.payload, headers=headers,
-                                        timeout=timeout)
+            with self.client.stream("POST", self.url, json=effect.payload, headers=headers,
+                                    timeout=remaining, auth=auth) as response:
+                status = response.status_code
+                body, truncated = self._read_prefix(response, deadline)
+                retry_after = response.headers.get("Retry-After")
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise TransientFailure(f"could not connect: {exc!r}") from exc
+            raise TransientFailure(redact_secrets(f"could not connect: {exc!r}")) from exc
         except (httpx.TimeoutException, httpx.RemoteProtocolError, httpx.ReadError) as exc:
-            raise AmbiguousOutcome(f"no answer after sending: {exc!r}") from exc
+            why = "no answer after sending"
+            if time.monotonic() >= deadline - 0.01:
+                why = f"no answer by the attempt's deadline ({self.timeout:g} s at most)"
+            raise AmbiguousOutcome(redact_secrets(f"{why}: {exc!r}")) from exc
         except httpx.HTTPError as exc:
-            raise AmbiguousOutcome(f"HTTP error after sending: {exc!r}") from exc
-        status = response.status_code
-        summary = _summary(response)
+            raise AmbiguousOutcome(redact_secrets(f"HTTP error after sending: {exc!r}")
+                                   ) from exc
+        finally:
+            _deadline.at = previous
+        summary = _summary(status, body, truncated)
         if 200 <= status < 300:
             return summary
-        message = f"HTTP {status} from {self.url}"
+        message = f"HTTP {status} from {self._shown_url}"
         if status in RETRYABLE_STATUSES or status >= 500:
-            delay = _retry_after_seconds(response.headers.get("Retry-After"))
+            delay = _retry_after_seconds(retry_after)
             if delay is not None:
                 raise RetryAfter(delay, message, http_status=status, detail=summary)
             raise TransientFailure(message, http_status=status, detail=summary)
         raise PermanentFailure(message, http_status=status, detail=summary)
+
+    def _read_prefix(self, response: httpx.Response, deadline: float) -> tuple[str, bool]:
+        """The reply's first `max_reply_bytes`, decoded; True if more was left unread.
+
+        The status and headers are in: from here on the receiver has answered, so a
+        deadline or a broken connection while the body arrives only cuts the body.
+        """
+        prefix = bytearray()
+        truncated = False
+        try:
+            for chunk in response.iter_raw():
+                room = self.max_reply_bytes - len(prefix)
+                prefix += chunk[:room]
+                if len(chunk) > room or time.monotonic() >= deadline:
+                    truncated = True
+                    break
+        except httpx.StreamConsumed:  # a transport that hands over a read body (mocks)
+            prefix = bytearray(response.content[:self.max_reply_bytes])
+            truncated = len(response.content) > self.max_reply_bytes
+        except (httpx.TimeoutException, httpx.TransportError):
+            truncated = True
+        encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            return f"<{encoding}-encoded reply, {len(prefix)} bytes read>", truncated
+        try:
+            text = bytes(prefix).decode(response.encoding or "utf-8", errors="replace")
+        except LookupError:
+            text = bytes(prefix).decode("utf-8", errors="replace")
+        return text, truncated
 
 
 def load_registry(spec: str | None = None) -> Registry:
