@@ -33,6 +33,7 @@ from dispatcher.worker import sweep as sweep_leases
 from outbox._config import database_url, make_engine
 from outbox._connections import DEFAULT_WORKER_CALL_TIMEOUT
 from outbox._enqueue import add_doorbell
+from outbox.retention import scheduled_retention
 from outbox.sql import dispatch as sql
 from outbox.telemetry_setup import configure as configure_traces
 
@@ -198,7 +199,8 @@ def drain(queue: str = "default", kick: bool = True) -> dict[str, Any]:
 
 @app.task(name="outbox.sweep", acks_late=True)  # type: ignore[untyped-decorator]
 def sweep(queue: str | None = None) -> dict[str, Any]:
-    """Dead-letter exhausted expired leases; ring `drain` for each queue with due work.
+    """Dead-letter exhausted expired leases; ring `drain` for each queue with due work;
+    run the retention plan when it is due.
 
     Sent by every worker to itself (`SweepTimer`) and by beat if one runs. `queue`
     limits the rings to one queue (None: every queue).
@@ -209,7 +211,11 @@ def sweep(queue: str | None = None) -> dict[str, Any]:
         due = [q for q in sql.queues_with_due_work(conn) if queue is None or q == queue]
     for name in due:
         drain.apply_async(args=[name], kwargs={"kick": False})
-    return {"dead_lettered": len(dead), "rung": due}
+    # Retention (outbox/retention.py): due every OUTBOX_RETENTION_INTERVAL per process,
+    # one purger at a time across workers, bounded by OUTBOX_RETENTION_BUDGET.
+    purged = scheduled_retention().run_if_due(engine)
+    return {"dead_lettered": len(dead), "rung": due,
+            "purged": purged.deleted if purged is not None else None}
 
 
 class SweepTimer(bootsteps.StartStopStep):  # type: ignore[misc]

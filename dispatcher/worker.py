@@ -27,6 +27,7 @@ from sqlalchemy import Engine, make_url
 from dispatcher._core import Dispatcher
 from outbox._config import NOTIFY_CHANNEL, call_timeout_of
 from outbox._connections import connect
+from outbox.retention import ScheduledRetention
 from outbox.sql import dispatch as sql
 
 log = logging.getLogger("outbox.worker")
@@ -90,7 +91,10 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
 
     `listen=False` runs without the LISTEN/NOTIFY doorbell: polling every
     `poll_interval` seconds only (the benchmark's polling-only latency case).
+    Retention (outbox/retention.py, `OUTBOX_RETENTION*`) runs from the tick on a
+    thread of its own; a bad setting refuses to start (ConfigurationError).
     """
+    retention = ScheduledRetention.from_env()
     stop = stop or threading.Event()
     if install_signals:
         def on_signal(signum: int, _frame: Any) -> None:
@@ -118,8 +122,11 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
                 return
             if dead:
                 log.warning("dead-lettered %d effects whose last lease expired", len(dead))
+        retention.start_if_due(dispatcher.engine, stop)  # never blocks the loop
 
     log.info("worker %s: queue=%s concurrency=%d lease=%.0fs", dispatcher.worker_id,
              dispatcher.queue, dispatcher.concurrency, dispatcher.lease)
+    log.info("retention: %s", retention.plan.describe() if retention.plan else "off")
     dispatcher.run(stop, poll_interval=poll_interval, grace=grace, on_tick=on_tick)
+    retention.join(5.0)  # it stops between two batches once `stop` is set
     log.info("worker %s stopped: %s", dispatcher.worker_id, dispatcher.stats)
