@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -32,8 +31,6 @@ from outbox._config import make_engine
 from outbox.errors import ConfigurationError, OutboxError
 
 STATUSES = ("pending", "in_flight", "delivered", "failed", "cancelled", "needs_review")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
-_UNITS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
@@ -57,11 +54,13 @@ def package_version() -> str:
 
 
 def parse_duration(text: str) -> float:
-    """`90`, `90s`, `15m`, `24h`, `7d`, `2w` -> seconds."""
-    match = _DURATION.match(text)
-    if not match:
-        raise UsageError(f"not a duration: {text!r} (use e.g. 90s, 15m, 24h, 7d)")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    """`90`, `90s`, `15m`, `24h`, `7d`, `2w` -> seconds (outbox.retention's grammar)."""
+    from outbox.retention import parse_duration as parse
+
+    try:
+        return parse(text)
+    except ConfigurationError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _engine(name: str) -> Engine:
@@ -116,7 +115,7 @@ def status_snapshot(engine: Engine) -> dict[str, Any]:
     out["idempotency_keys"] = key_counts
     out["blocked_ordering_keys"] = [
         {"ordering_key": r.ordering_key, "head_id": r.id, "status": r.status,
-         "attempts": r.attempts, "last_error": r.last_error} for r in blocked]
+         "attempts": r.attempts, "last_error": _redacted(r.last_error)} for r in blocked]
     return out
 
 
@@ -148,22 +147,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _redacted(text: str | None) -> str | None:
+    """Stored error text as shown: credentials a URL carried are never printed (rows
+    written before the handler stopped storing them included)."""
+    from outbox._redact import redact_secrets
+
+    return None if text is None else redact_secrets(text)
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
+    """An effect and its attempts. Payloads and receivers' replies are masked by the
+    console's rules (`OUTBOX_UI_MASK`, outbox/masking.py); errors are redacted."""
+    from outbox.masking import mask_from_env
     from outbox.sql import effects as fx
 
+    mask = mask_from_env()
     engine = _engine("trace")
     with engine.connect() as conn:
         row = fx.get_effect(conn, args.id)
         if row is None:
             raise NotFound(f"no effect with id or key {args.id!r}")
         attempts = fx.attempts_of(conn, row.id)
+    shown = {"payload", "result"}  # masked
+    texts = {"last_error", "error"}  # redacted
     effect = {k: (v.isoformat() if hasattr(v, "isoformat") else
-                  str(v) if k == "lease_token" and v is not None else v)
+                  str(v) if k == "lease_token" and v is not None else
+                  mask.apply(v) if k in shown else _redacted(v) if k in texts else v)
               for k, v in row._mapping.items()}
-    history = [{k: (v.isoformat() if hasattr(v, "isoformat") else v)
+    history = [{k: (v.isoformat() if hasattr(v, "isoformat") else
+                    mask.apply(v) if k in shown else _redacted(v) if k in texts else v)
                 for k, v in a._mapping.items()} for a in attempts]
     if args.json:
-        print(json.dumps({"effect": effect, "attempts": history}, default=str))
+        print(json.dumps({"effect": effect, "attempts": history}, default=str,
+                         ensure_ascii=False))
         return 0
     print(f"effect #{row.id} {row.kind} key={row.effect_key}")
     print(f"  status {row.status}, attempts {row.attempts}/{row.max_attempts}, "
@@ -171,12 +187,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     tp = (row.headers or {}).get("traceparent")
     if tp:
         print(f"  trace {tp.split('-')[1]} (enqueued in traceparent {tp})")
+    print(f"  payload: {json.dumps(effect['payload'], ensure_ascii=False, default=str)}")
     if row.last_error:
-        print(f"  last error: {row.last_error}")
-    for a in attempts:
+        print(f"  last error: {effect['last_error']}")
+    for a, shown_a in zip(attempts, history, strict=True):
         took = (a.finished_at - a.started_at).total_seconds()
         print(f"  attempt {a.attempt}: {a.outcome:<10} {a.http_status or '':<4} {took:7.3f}s "
-              f"by {a.worker} trace={a.trace_id or '-'} {a.error or ''}")
+              f"by {a.worker} trace={a.trace_id or '-'} {shown_a.get('error') or ''}")
     return 0
 
 
@@ -344,14 +361,10 @@ def _bulk_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    from outbox._inbox import (
-        check_retention,
-        purge_entity_versions,
-        purge_inbox,
-        purge_inbox_conflicts,
-    )
-    from outbox.sql import effects as fx
-    from outbox.sql import keys as kx
+    """One run of the retention plan (outbox/retention.py) with these windows: finished
+    effects and expired keys always, the inbox, conflicts and versions when asked.
+    Horizons: `--horizon` and `OUTBOX_RETAIN_HORIZONS` (the longest per source)."""
+    from outbox.retention import RetentionPlan, horizons_from_env
 
     older = parse_duration(args.older_than)
     horizons: dict[str, float] = {}
@@ -359,38 +372,27 @@ def cmd_purge(args: argparse.Namespace) -> int:
         source, _, value = item.partition("=")
         if not source or not value:
             raise UsageError(f"--horizon takes SOURCE=DURATION, not {item!r}")
-        horizons[source] = parse_duration(value)
+        horizons[source] = max(horizons.get(source, 0.0), parse_duration(value))
     windows = {what: parse_duration(value) for what, value in (
-        ("inbox", args.inbox_older_than), ("inbox_conflicts", args.conflicts_older_than),
-        ("entity_versions", args.versions_older_than)) if value}
-    for what, window in windows.items():  # refuse a short window before deleting anything
-        check_retention(what, window, args.batch, horizons)
-    engine = _engine("purge")
-    totals = {"effects": 0, "idempotency_keys": 0}
-    while True:
-        with engine.begin() as conn:
-            n = fx.purge_finished_effects(conn, older, args.batch)
-        totals["effects"] += n
-        if n:
-            print(f"\rpurged {totals['effects']} effects", end="", file=sys.stderr)
-        if n < args.batch:
-            break
-    while True:
-        with engine.begin() as conn:
-            n = kx.purge_expired_keys(args.batch).run(conn)
-        totals["idempotency_keys"] += n
-        if n < args.batch:
-            break
-    if "inbox" in windows:
-        totals["inbox"] = purge_inbox(engine, windows["inbox"], horizons, batch=args.batch)
-    if "inbox_conflicts" in windows:
-        totals["inbox_conflicts"] = purge_inbox_conflicts(
-            engine, windows["inbox_conflicts"], horizons, batch=args.batch)
-    if "entity_versions" in windows:
-        totals["entity_versions"] = purge_entity_versions(
-            engine, windows["entity_versions"], horizons, batch=args.batch)
+        ("inbox", args.inbox_older_than), ("conflicts", args.conflicts_older_than),
+        ("versions", args.versions_older_than)) if value}
+    plan = RetentionPlan(effects=older, keys=True, inbox=windows.get("inbox"),
+                         conflicts=windows.get("conflicts"),
+                         versions=windows.get("versions"),
+                         batch=args.batch).with_horizons(horizons_from_env())
+    plan = plan.with_horizons(horizons)
+    plan.check()  # refuse a short window before deleting anything
+
+    def progress(name: str, total: int) -> None:
+        if name == "effects":
+            print(f"\rpurged {total} effects", end="", file=sys.stderr)
+
+    run = plan.run(_engine("purge"), wait_lock=args.wait_lock, progress=progress)
+    if run.locked_out:
+        raise OutboxError(f"another purge (a worker's retention, or another `outbox "
+                          f"purge`) held the lock for {args.wait_lock:g} s; try again")
     print(file=sys.stderr)
-    print(json.dumps(totals))
+    print(json.dumps(run.deleted))
     return 0
 
 
@@ -546,7 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(e.g. 14d; see docs/ingestion.md)")
     pu.add_argument("--horizon", action="append", metavar="SOURCE=DURATION",
                     help="a source's redelivery horizon; a shorter inbox, conflicts or "
-                    "versions retention is refused")
+                    "versions retention is refused (also $OUTBOX_RETAIN_HORIZONS)")
+    pu.add_argument("--wait-lock", type=float, default=60.0, metavar="SECONDS",
+                    help="wait this long for a running purge (a worker's) to end (60)")
     pu.set_defaults(fn=cmd_purge)
 
     e = sub.add_parser("example-api", help="run the example payments service")
