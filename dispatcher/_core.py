@@ -103,7 +103,7 @@ class Dispatcher:
                                  lease=lease, clock=clock)
         self.executor = Executor(registry, self.policy, clock, lease, queue)
         self.completer = Completer(engine, worker_id=self.worker_id, clock=clock,
-                                   stats=self.stats)
+                                   stats=self.stats, target=min(concurrency, max_batch))
         self.completer.on_written = self.wake.set
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="outbox-deliver")
         self._lock = threading.Lock()
@@ -142,7 +142,12 @@ class Dispatcher:
                 return
             del self._inflight[row.id]
             self.completer.add(outcome)
-        self.wake.set()
+            # Ring the loop when a claim is worth it (enough slots free) or the last
+            # delivery ended, not per delivery: each ring is a wake-up of the loop.
+            left = len(self._inflight)
+            ring = left == 0 or self.concurrency - left == self._claim_min
+        if ring:
+            self.wake.set()
 
     @property
     def _done(self) -> list[Outcome]:
