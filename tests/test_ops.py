@@ -51,7 +51,12 @@ REQUIRED_ALERTS = {
     "OutboxIdempotencyConflictRatioHigh", "OutboxSuspectedDuplicateRequests",
     "OutboxLockWaitsLong", "OutboxPoolSaturated", "OutboxInboxConflictShareHigh",
     "OutboxInboxDuplicateShareHigh",
+    # Issue 12: table health (bloat).
+    "OutboxXminHorizonHeld", "OutboxDeadTuplesHigh",
 }
+#: Where every alert's runbook_url points (absolute: Alertmanager and Grafana resolve a
+#: relative one against their own host). Offline, the anchor is ops/runbook.md's.
+RUNBOOK_URL = "https://github.com/pg-outbox/pg-outbox/blob/main/ops/runbook.md"
 #: The dashboard row of issue 15 and what each of its panels must show.
 ARTICLES_ROW = "What the articles say to watch"
 
@@ -186,7 +191,14 @@ def test_metric_names_derived_from_the_code() -> None:
     assert gauges == {"outbox.queue.effects", "outbox.queue.due",
                       "outbox.queue.oldest_due_age", "outbox.queue.expired_leases",
                       "outbox.idempotency.stale_processing", "outbox.db.lock_waits",
-                      "outbox.db.lock_wait_age", "db.client.connections.max"}
+                      "outbox.db.lock_wait_age", "db.client.connections.max",
+                      # Issue 12: table health.
+                      "outbox.db.table.dead_tuples", "outbox.db.table.live_tuples",
+                      "outbox.db.table.last_autovacuum_age",
+                      "outbox.db.table.last_vacuum_age", "outbox.db.xmin_horizon.age",
+                      "outbox.db.xmin_horizon.duration"}
+    assert names["outbox_db_table_dead_tuples"] == "outbox.db.table.dead_tuples"
+    assert names["outbox_db_xmin_horizon_duration_seconds"] == "outbox.db.xmin_horizon.duration"
 
 
 _METRIC = re.compile(r"\b((?:outbox|db_client)_[a-zA-Z0-9_]+)")
@@ -658,8 +670,32 @@ def test_alert_rules_structure() -> None:
         notes = rule["annotations"]
         assert notes["summary"] and notes["description"], name
         url = notes["runbook_url"]
-        assert url.startswith("ops/runbook.md#"), name
+        assert url.startswith(RUNBOOK_URL + "#"), name
         assert url.split("#", 1)[1] in anchors, f"{name}: runbook has no section {url}"
+
+
+def test_runbook_urls_resolve_from_alertmanager_and_grafana() -> None:
+    """Absolute, one base (the project's runbook URL in pyproject.toml), and each anchor
+    a heading of ops/runbook.md, so the same link works online and, by its anchor, in
+    the checkout offline."""
+    import tomllib
+    from urllib.parse import urlsplit
+
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    assert urls["Runbook"] == RUNBOOK_URL
+    anchors = runbook_anchors()
+    for rule in alert_rules():
+        url = rule["annotations"]["runbook_url"]
+        parts = urlsplit(url)
+        assert parts.scheme == "https" and parts.netloc, f"{rule['alert']}: not absolute"
+        assert "{{" not in url, f"{rule['alert']}: templated runbook_url"
+        assert parts.fragment in anchors, f"{rule['alert']}: no section #{parts.fragment}"
+        assert parts.fragment == rule["alert"].lower().replace("critical", "high")
+    # The dashboard's links to the runbook use the same base and existing anchors.
+    for p in panels():
+        for url in re.findall(r"https://\S+?#[\w-]+", p.get("description", "")):
+            assert url.startswith(RUNBOOK_URL + "#"), p["title"]
+            assert url.split("#", 1)[1] in anchors, (p["title"], url)
 
 
 def test_alerts_use_only_metrics_our_code_emits() -> None:
@@ -819,10 +855,11 @@ def test_the_labels_the_queries_use_are_the_ones_the_code_sets() -> None:
     instrumentation, or a query would silently match nothing."""
     sources = "\n".join((ROOT / p).read_text() for p in (
         "outbox/_idempotency.py", "dispatcher/metrics.py", "outbox/_inbox.py"))
-    for label in ('"status_class"', '"mode"', '{"table"', '"pool.name"', '"source"'):
+    for label in ('"status_class"', '"mode"', '{"table"', '"pool.name"', '"source"',
+                  '{"holder"'):
         assert label in sources, label
     exprs = " ".join(e for _, e in all_exprs())
-    for label in ("status_class", "mode", "table", "pool_name", "state", "source"):
+    for label in ("status_class", "mode", "table", "pool_name", "state", "source", "holder"):
         assert re.search(rf"\b{label}\b", exprs), label
 
 
@@ -861,3 +898,19 @@ def test_runbook_covers_every_alert_with_look_and_repair() -> None:
         assert command in choices, f"runbook mentions unknown command: outbox {command}"
     for command in ("status", "trace", "retry", "cancel"):
         assert f"`outbox {command}" in text
+
+
+def test_dashboard_and_alerts_watch_table_health() -> None:
+    """Issue 12: bloat is visible before it hurts: dead tuples, vacuum ages and the xmin
+    horizon are on the dashboard, and alerts fire on a held horizon and on dead tuples."""
+    exprs = " ".join(e for _, e in dashboard_exprs())
+    for needle in ("max by (table) (outbox_db_table_dead_tuples)",
+                   "outbox_db_table_live_tuples", "outbox_db_table_last_vacuum_age_seconds",
+                   "outbox_db_table_last_autovacuum_age_seconds",
+                   "max by (holder) (outbox_db_xmin_horizon_duration_seconds)",
+                   "max by (holder) (outbox_db_xmin_horizon_age)"):
+        assert needle in exprs, needle
+    rules = {r["alert"]: r["expr"] for r in alert_rules()}
+    assert "outbox_db_xmin_horizon_duration_seconds" in rules["OutboxXminHorizonHeld"]
+    assert "outbox_db_xmin_horizon_age" in rules["OutboxXminHorizonHeld"]
+    assert "outbox_db_table_dead_tuples" in rules["OutboxDeadTuplesHigh"]
