@@ -1,0 +1,373 @@
+"""Our Celery tasks on *your* Celery app: `register(app)`.
+
+    from celery import Celery
+    from dispatcher.celery_tasks import register
+
+    app = Celery("myproject", broker="redis://...")   # your app, your config
+    outbox = register(app, queue_name="outbox")        # our drain/sweep, beat entry
+    # celery -A myproject worker -Q celery,outbox
+
+`register` defines `outbox.drain` and `outbox.sweep` on the given app (`app.task`,
+never `shared_task`, so no other app gets them and your `@shared_task`s stay yours),
+adds the beat entry, the per-worker sweep bootstep and a `worker_process_init` hook
+that sets up telemetry in each prefork child; engines and Dispatchers are created
+lazily per process and queue. `dispatcher/celery_app.py` is our own default app built
+with this function (`celery -A dispatcher.celery_app worker`, DESIGN §8).
+
+The broker is a doorbell, the database is the mailbox: see dispatcher/celery_app.py and
+docs/architecture.md for drain, re-arm and sweep.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery, bootsteps, signals
+from celery.exceptions import SoftTimeLimitExceeded
+from sqlalchemy.exc import DBAPIError
+
+from dispatcher._core import Dispatcher
+from dispatcher.handlers import load_registry
+from dispatcher.metrics import configure_metrics, register_queue_gauges
+from dispatcher.worker import sweep as sweep_leases
+from outbox._config import make_engine
+from outbox._connections import DEFAULT_WORKER_CALL_TIMEOUT
+from outbox._enqueue import add_doorbell
+from outbox.retention import scheduled_retention
+from outbox.sql import dispatch as sql
+from outbox.telemetry_setup import configure as configure_traces
+
+log = logging.getLogger("outbox.celery")
+
+DRAIN_BUDGET = float(os.environ.get("OUTBOX_DRAIN_BUDGET", "10"))
+SWEEP_INTERVAL = float(os.environ.get("OUTBOX_SWEEP_INTERVAL", "5"))
+CONCURRENCY = int(os.environ.get("OUTBOX_CONCURRENCY", "8"))
+LEASE = float(os.environ.get("OUTBOX_LEASE", "30"))
+# A re-armed drain waits at most this long (then looks again and re-arms if need be).
+# Its message is an ETA message the worker holds unacknowledged until it is due, so
+# this must stay far below Redis's visibility_timeout (1 h by default: a message held
+# longer is restored and run twice) and RabbitMQ's consumer_timeout (30 min).
+REARM_MAX = float(os.environ.get("OUTBOX_REARM_MAX", "60"))
+# The shortest wait: a doorbell's follow-up look, a re-arm for work claimable "now"
+# (freed just after the drain's last claim), and the grid that re-arm times snap to.
+REARM_MIN = 0.25
+_ETA_SLACK = 0.05  # ETA timers fire a little early or late; never ask before it is due
+# After a drain's soft time limit: seconds in-flight deliveries get before release.
+RELEASE_GRACE = 1.0
+SERVICE_NAME = "outbox-celery"
+
+_RING_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1,
+               "interval_max": 0.1}
+
+_lock = threading.Lock()
+_dispatchers: dict[tuple[int, str], Dispatcher] = {}
+_telemetry_pid: int | None = None
+
+
+def drain_time_limits(budget: float, lease: float) -> tuple[float, float]:
+    """(soft, hard) seconds for one drain.
+
+    A drain claims for `budget` seconds, then waits for what it claimed; each attempt's
+    deadline is 0.8 x lease after its claim (dispatcher/executor.py). So a drain that
+    runs past budget + lease has a handler ignoring its deadline: the soft limit
+    releases it, the hard limit (a little later) kills the child if even that hangs.
+    """
+    soft = budget + lease + 5.0
+    return soft, soft + RELEASE_GRACE + 10.0
+
+
+def setup_telemetry() -> None:
+    """Our tracer and meter providers, once per process (after the prefork fork)."""
+    global _telemetry_pid
+    with _lock:
+        if _telemetry_pid == os.getpid():
+            return
+        _telemetry_pid = os.getpid()
+    configure_traces(SERVICE_NAME)
+    configure_metrics(SERVICE_NAME)
+
+
+def dispatcher_for(queue: str, *, cache: dict[tuple[int, str], Dispatcher] | None = None,
+                   gauges: Callable[[Any], Any] | None = None) -> Dispatcher:
+    """One Dispatcher per process and queue, created lazily after the prefork fork."""
+    found_cache = _dispatchers if cache is None else cache
+    key = (os.getpid(), queue)
+    with _lock:
+        found = found_cache.get(key)
+    if found is not None:
+        return found
+    setup_telemetry()
+    with _lock:
+        found = found_cache.get(key)
+        if found is None:
+            engine = make_engine(application_name=SERVICE_NAME, pool_size=2,
+                                 max_overflow=2, pool_pre_ping=False,  # see cmd_worker
+                                 call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
+            (gauges or register_queue_gauges)(engine)
+            found = Dispatcher(engine, load_registry(), queue=queue,
+                               concurrency=CONCURRENCY, lease=LEASE)
+            found_cache[key] = found
+        return found
+
+
+def _forget(d: Dispatcher) -> None:
+    """Drop a Dispatcher that was shut down; the next drain makes a new one."""
+    with _lock:
+        for key, value in list(_dispatchers.items()):
+            if value is d:
+                del _dispatchers[key]
+
+
+def _on_worker_process_init(**_: Any) -> None:
+    """A prefork child starts: its own telemetry; engines follow lazily per queue.
+
+    Connections and SDK exporters inherited from the parent are not safe to use in a
+    child; `dispatcher_for` is keyed by pid, so nothing of the parent's is reused.
+    """
+    try:
+        setup_telemetry()
+    except Exception:  # telemetry must never stop a worker from starting
+        log.exception("outbox: telemetry setup in the worker child failed")
+
+
+signals.worker_process_init.connect(_on_worker_process_init, weak=False)
+
+
+class Rearms:
+    """This process's re-armed drains not yet due: one per queue and moment, not N.
+
+    Every drain that stops with work due later would schedule its own drain for that
+    moment; a burst of N drains (N doorbells) would then keep N messages alive, each
+    re-arming again when it runs. A re-arm is skipped when this process already has a
+    drain for the queue due no later than it: that drain runs after this state was
+    committed, so it sees the work and re-arms for it itself. Times snap up to a
+    REARM_MIN grid, so even ever-earlier due times leave at most one message per slot.
+    Across P worker processes at most P drains run for one moment, whatever N was.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due: dict[str, float] = {}  # queue -> monotonic time of the earliest
+        self._pid = os.getpid()
+
+    def reserve(self, queue: str, countdown: float, now: float) -> float | None:
+        """The moment to re-arm for (`now` + countdown, snapped up to the grid), or
+        None when a drain this process scheduled already covers it."""
+        target = math.ceil((now + countdown) / REARM_MIN) * REARM_MIN
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's messages are not ours
+                self._due.clear()
+                self._pid = os.getpid()
+            due = self._due.get(queue)
+            if due is not None and now < due <= target:
+                return None
+            self._due[queue] = target
+        return target
+
+    def release(self, queue: str, target: float) -> None:
+        """Forget a reservation whose message could not be published."""
+        with self._lock:
+            if self._due.get(queue) == target:
+                del self._due[queue]
+
+
+@dataclass
+class OutboxTasks:
+    """What `register` put on an app: its tasks, doorbell and settings."""
+
+    app: Celery
+    queue_name: str | None
+    sweep_interval: float
+    drain_budget: float
+    drain: Any = None
+    sweep: Any = None
+    rearms: Rearms = field(default_factory=Rearms)
+    dispatcher_for: Callable[[str], Dispatcher] = dispatcher_for
+
+    def _route(self) -> dict[str, Any]:
+        return {"queue": self.queue_name} if self.queue_name else {}
+
+    def send_drain(self, queue: str, *, kick: bool, **options: Any) -> None:
+        self.drain.apply_async(args=[queue], kwargs={"kick": kick},
+                               **{**self._route(), **options})
+
+    def rearm(self, d: Dispatcher, queue: str, rearms: Rearms | None = None
+              ) -> float | None:
+        """After a drain found nothing to claim: schedule one for when work is due.
+
+        Returns the countdown published, or None (nothing waits, one is already
+        scheduled, or the database or broker failed: the workers' sweep rings later).
+        """
+        book = rearms or self.rearms
+        try:
+            with d.engine.connect() as conn:
+                wait = sql.seconds_until_claimable(conn, queue)
+        except DBAPIError as exc:
+            log.warning("drain %s: could not read the next due time (%s); "
+                        "the sweep will ring when it can", queue, exc)
+            return None
+        if wait is None:
+            return None
+        now = time.monotonic()
+        target = book.reserve(queue, min(max(wait + _ETA_SLACK, REARM_MIN), REARM_MAX), now)
+        if target is None:
+            return None
+        countdown = target - now
+        try:
+            self.send_drain(queue, kick=False, countdown=countdown, retry=True,
+                            retry_policy=_RING_RETRY)
+        except Exception as exc:  # the broker is down: the sweep rings when it is back
+            book.release(queue, target)
+            log.warning("drain %s: could not re-arm in %.2f s (%s)", queue, countdown, exc)
+            return None
+        return countdown
+
+    def run_drain(self, queue: str, kick: bool) -> dict[str, Any]:
+        """Deliver what is due on `queue`; then arrange exactly one follow-up, if any.
+
+        Budget ran out: chain another drain now. A doorbell that found nothing (rung just
+        before its transaction committed): look once more shortly after (`kick`). Else,
+        if work is due later on `queue`: re-arm for that moment (`rearm`). The soft
+        time limit (a handler ignoring its deadline) releases what is in flight
+        (`Dispatcher.shutdown`, fenced by lease token), drops that Dispatcher and
+        chains a new drain.
+        """
+        d = self.dispatcher_for(queue)
+        before = d.stats.claimed
+        try:
+            more = d.drain(self.drain_budget)
+        except SoftTimeLimitExceeded:
+            log.warning("drain %s: soft time limit; releasing in-flight work", queue)
+            try:
+                d.shutdown(RELEASE_GRACE)
+            finally:
+                _forget(d)
+            self.send_drain(queue, kick=False)
+            return {"claimed": d.stats.claimed - before, "more": True,
+                    "rearmed_in": None, "timed_out": True}
+        claimed = d.stats.claimed - before
+        rearmed: float | None = None
+        if more:
+            self.send_drain(queue, kick=False)
+        elif claimed == 0 and kick:
+            self.send_drain(queue, kick=False, countdown=REARM_MIN)
+        else:
+            rearmed = self.rearm(d, queue)
+        return {"claimed": claimed, "more": more, "rearmed_in": rearmed}
+
+    def run_sweep(self, queue: str | None) -> dict[str, Any]:
+        """Dead-letter exhausted expired leases; ring `drain` for each queue with due
+        work; run the retention plan when it is due."""
+        engine = self.dispatcher_for(queue or "default").engine
+        dead = sweep_leases(engine)
+        with engine.connect() as conn:
+            due = [q for q in sql.queues_with_due_work(conn) if queue is None or q == queue]
+        for name in due:
+            self.send_drain(name, kick=False)
+        # Retention (outbox/retention.py): due every OUTBOX_RETENTION_INTERVAL per
+        # process, one purger at a time across workers, bounded by OUTBOX_RETENTION_BUDGET.
+        purged = scheduled_retention().run_if_due(engine)
+        return {"dead_lettered": len(dead), "rung": due,
+                "purged": purged.deleted if purged is not None else None}
+
+    def ring_sweep(self) -> None:
+        """Publish one sweep message; a broker that is down is retried on the next tick."""
+        try:
+            self.sweep.apply_async(expires=self.sweep_interval * 2, retry=False,
+                                   **self._route())
+        except Exception as exc:
+            log.warning("could not send the periodic sweep (%s); next try in %.0f s",
+                        exc, self.sweep_interval)
+
+    def ring(self, queue: str) -> None:
+        """The after-commit doorbell: a payload-less drain message.
+
+        Best effort, and fast: with Celery's default publish retries a broker that is
+        down stalls the caller ~1.5 s per ring, and on a Core connection the ring runs
+        *before* COMMIT, so the business transaction stayed open meanwhile. A lost ring
+        loses nothing (the workers' sweep finds the rows): one quick reconnect, then
+        give up.
+        """
+        self.send_drain(queue, kick=True, retry=True, retry_policy=_RING_RETRY)
+
+    def install_doorbell(self) -> None:
+        """Make every committed enqueue in this process ring this app."""
+        add_doorbell(self.ring)
+
+
+def register(app: Celery, *, queue_name: str | None = None,
+             sweep_interval: float = SWEEP_INTERVAL, beat: bool = True,
+             doorbell: bool = True, drain_budget: float = DRAIN_BUDGET,
+             periodic_sweep: bool = True) -> OutboxTasks:
+    """Add our `outbox.drain`/`outbox.sweep` tasks to `app`, with its configuration.
+
+    `queue_name`: the Celery queue our messages go to (None: the app's default queue);
+    the worker must consume it (`-Q`). `beat`: add the `outbox-sweep` beat entry
+    (redundant with the per-worker sweep, harmless). `periodic_sweep`: each worker
+    sends itself a sweep at start and every `sweep_interval` seconds (no beat needed).
+    `doorbell`: enqueues committed in this process ring this app.
+    """
+    tasks = OutboxTasks(app=app, queue_name=queue_name, sweep_interval=sweep_interval,
+                        drain_budget=drain_budget)
+    soft, hard = drain_time_limits(drain_budget, LEASE)
+    route = tasks._route()
+
+    def drain(queue: str = "default", kick: bool = True) -> dict[str, Any]:
+        return tasks.run_drain(queue, kick)
+
+    def sweep(queue: str | None = None) -> dict[str, Any]:
+        """Sent by every worker to itself (`SweepTimer`) and by beat if one runs."""
+        return tasks.run_sweep(queue)
+
+    # shared=False: only this app gets them (a shared task is added to every app).
+    tasks.drain = app.task(name="outbox.drain", shared=False, acks_late=True,
+                           reject_on_worker_lost=True, ignore_result=True,
+                           soft_time_limit=soft, time_limit=hard, **route)(drain)
+    tasks.sweep = app.task(name="outbox.sweep", shared=False, acks_late=True,
+                           ignore_result=True, **route)(sweep)
+
+    if beat:
+        schedule = dict(app.conf.beat_schedule or {})
+        schedule["outbox-sweep"] = {"task": "outbox.sweep", "schedule": sweep_interval,
+                                    "options": {"expires": sweep_interval * 2, **route}}
+        app.conf.beat_schedule = schedule
+
+    if periodic_sweep:
+        class SweepTimer(bootsteps.StartStopStep):  # type: ignore[misc]
+            """Each worker sends itself a `sweep` at start and every interval.
+
+            Beat is a separate process that may not run (DESIGN §8 starts only the
+            worker); without a sweep, a lost doorbell, or the ETA drains a SIGKILLed
+            worker held, strand work. This lives as long as the worker's consumer; the
+            message expires after two intervals, so queued sweeps do not pile up.
+            """
+
+            requires = ("celery.worker.consumer.tasks:Tasks",)
+
+            def __init__(self, c: Any, **kwargs: Any) -> None:
+                super().__init__(c, **kwargs)
+                self.trefs: list[Any] = []
+
+            def start(self, c: Any) -> None:
+                self.trefs = [c.timer.call_after(0.0, tasks.ring_sweep),
+                              c.timer.call_repeatedly(sweep_interval, tasks.ring_sweep)]
+
+            def stop(self, c: Any) -> None:
+                for tref in self.trefs:
+                    c.timer.cancel(tref)
+                self.trefs = []
+
+            shutdown = stop
+
+        app.steps["consumer"].add(SweepTimer)
+
+    if doorbell:
+        tasks.install_doorbell()
+    return tasks
