@@ -234,17 +234,27 @@ class OutboxTasks:
 
         Budget ran out: chain another drain now. A doorbell that found nothing (rung just
         before its transaction committed): look once more shortly after (`kick`). Else,
-        if work is due later on `queue`: re-arm for that moment (`rearm`). The soft
-        time limit (a handler ignoring its deadline) releases what is in flight
-        (`Dispatcher.shutdown`, fenced by lease token), drops that Dispatcher and
-        chains a new drain.
+        if work is due later on `queue`: re-arm for that moment (`rearm`). A handler
+        still running at budget + lease (past its deadline) or the task's soft time
+        limit releases what is in flight (`Dispatcher.shutdown`, fenced by lease
+        token), drops that Dispatcher and chains a new drain; the hard time limit
+        kills the child if even that hangs.
         """
         d = self.dispatcher_for(queue)
         before = d.stats.claimed
+        start = time.monotonic()
+        more = True
         try:
-            more = d.drain(self.drain_budget)
+            # Claims for the budget, then waits for what it claimed until every
+            # deadline (0.8 x lease after its claim) has passed, and no longer.
+            more = d._loop(claim_until=start + self.drain_budget,
+                           finish_until=start + self.drain_budget + d.lease)
+            overran = d.in_flight > 0
         except SoftTimeLimitExceeded:
-            log.warning("drain %s: soft time limit; releasing in-flight work", queue)
+            overran = True
+        if overran:
+            log.warning("drain %s: handlers past their deadline; releasing in-flight "
+                        "work", queue)
             try:
                 d.shutdown(RELEASE_GRACE)
             finally:

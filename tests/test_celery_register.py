@@ -206,3 +206,38 @@ def test_a_handler_past_its_deadline_is_not_kept_leased(engine: Engine) -> None:
     finally:
         release.set()
         d.shutdown(2.0)
+
+
+
+def test_drain_time_limit_releases_in_flight_work(engine: Engine) -> None:
+    """A handler that ignores its deadline does not hold a drain (and its Celery
+    child) forever: at budget + lease the drain releases what is in flight through
+    the Dispatcher's shutdown (fenced by lease token), then chains one drain."""
+    from celery import Celery
+
+    from dispatcher.celery_tasks import register
+
+    release = threading.Event()
+    registry = Registry()
+    registry.register("stuck", lambda effect: release.wait(30))
+    [effect_id] = add_effects(engine, ["soft-1"], kind="stuck", queue="soft")
+    d = Dispatcher(engine, registry, queue="soft", concurrency=2, lease=2.0)
+    app = Celery("drain-limit-test", broker="memory://", set_as_current=False)
+    tasks = register(app, queue_name="soft-outbox", doorbell=False, periodic_sweep=False,
+                     drain_budget=0.5)
+    tasks.dispatcher_for = lambda queue: d
+    sent: list[dict[str, Any]] = []
+    tasks.drain.apply_async = lambda *a, **kw: sent.append(kw)
+    started = time.monotonic()
+    try:
+        result = tasks.run_drain("soft", False)
+    finally:
+        release.set()
+    assert time.monotonic() - started < 0.5 + 2.0 + 2.5
+    assert result["timed_out"] is True and result["claimed"] == 1
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT status, lease_token FROM outbox.effects"
+                                " WHERE id = :id"), {"id": effect_id}).one()
+    assert row.status != "in_flight" and row.lease_token is None, row
+    assert [s["args"] for s in sent] == [["soft"]]
+    assert sent[0]["queue"] == "soft-outbox"
