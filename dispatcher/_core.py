@@ -301,10 +301,15 @@ class Dispatcher:
                     claimed = got or 0
                     if claimed == 0:
                         last_empty = time.monotonic()
-                if draining and not self._inflight and (
-                        out_of_time or claim_failed
-                        or (tried and claimed == 0 and not unwritten)):
-                    return out_of_time
+                if draining:
+                    # Under the lock `_finished` hands an outcome over with: a delivery
+                    # that ended after `unwritten` was read is not written yet either.
+                    with self._lock:
+                        idle = not self._inflight
+                        unwritten = unwritten or self.completer.backlog
+                    if idle and (out_of_time or claim_failed
+                                 or (tried and claimed == 0 and not unwritten)):
+                        return out_of_time
                 if time.monotonic() >= finish_until:
                     return out_of_time
                 if claimed == 0 or len(self._inflight) >= self.concurrency:
