@@ -175,7 +175,18 @@ def sync_db(handle: Any) -> SyncDB:
         raw = handle.connection
         if not isinstance(raw, psycopg.Connection):
             raise TypeError("outbox needs Django's psycopg 3 backend")
-        return SyncDB(raw, own_json=True)
+        django_conn = handle
+
+        def to_django(exc: Exception) -> Exception:
+            # Django's own error classes, and its "errors occurred" flag set, so a broken
+            # persistent connection (CONN_MAX_AGE) is closed rather than reused.
+            try:
+                with django_conn.wrap_database_errors:
+                    raise exc
+            except Exception as mapped:  # the mapped Django error
+                return mapped
+            return exc  # pragma: no cover
+        return SyncDB(raw, to_django, own_json=True)
     if isinstance(handle, psycopg.AsyncConnection) or module.startswith(
             "sqlalchemy.ext.asyncio"):
         raise TypeError(f"{type(handle).__name__} is async: use the a-prefixed function "
@@ -232,8 +243,16 @@ async def async_db(handle: Any) -> AsyncDB:
             if not isinstance(raw, psycopg.AsyncConnection):
                 raise TypeError("outbox needs the psycopg 3 driver (postgresql+psycopg://)")
 
+            sa_conn = handle
+
             def wrap(exc: Exception) -> Exception:
-                return DBAPIError.instance(None, None, exc, psycopg.Error)
+                # Invalidated like the sync path: the pool must not reuse a broken one.
+                # (`invalidate` is a coroutine here; the connection is marked at close.)
+                broken = bool(raw.closed or raw.broken)
+                if broken:
+                    sa_conn.sync_connection.invalidate(exc)  # type: ignore[union-attr]
+                return DBAPIError.instance(None, None, exc, psycopg.Error,
+                                           connection_invalidated=broken)
             return AsyncDB(raw, wrap)
     raise TypeError(f"cannot run outbox statements on a {type(handle).__name__} from async "
                     "code: pass a psycopg AsyncConnection, or a SQLAlchemy AsyncConnection "

@@ -43,7 +43,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from outbox._driver import Query, adrive, drive
+from outbox._driver import Query, adrive, async_db, drive, sync_db
 from outbox._telemetry import idempotency_requests, suspected_duplicates
 from outbox.errors import ClaimLost, KeyReused, RequestInProgress
 from outbox.sql import keys as sql
@@ -198,6 +198,30 @@ def _is_sqlalchemy(obj: object) -> bool:
     return type(obj).__module__.startswith("sqlalchemy")
 
 
+def _require_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """run()/claim()/release() commit transactions of their own: on a connection with
+    one already open psycopg would make a savepoint instead, and we would answer the
+    client with nothing committed (and run a phased `prepare` inside the transaction)."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise TypeError("run()/claim()/release() need a psycopg connection with no open "
+                        "transaction: they commit their own; inside your transaction use "
+                        "begin() and complete()")
+
+
+def _require_transaction(handle: Any) -> None:
+    """begin()/complete() write in the caller's transaction: an autocommit handle has
+    none (the key's lock would end after one statement, the key commit before the work)."""
+    if sync_db(handle).conn.autocommit:
+        raise TypeError("begin()/complete() need a transaction: this connection is in "
+                        "autocommit mode")
+
+
+async def _arequire_transaction(handle: Any) -> None:
+    if (await async_db(handle)).conn.autocommit:
+        raise TypeError("abegin()/acomplete() need a transaction: this connection is in "
+                        "autocommit mode")
+
+
 @contextmanager
 def _transaction(source: Any, *, read_committed: bool = False) -> Iterator[Any]:
     """A transaction of its own on a SQLAlchemy Engine or a psycopg Connection.
@@ -207,6 +231,7 @@ def _transaction(source: Any, *, read_committed: bool = False) -> Iterator[Any]:
     committed after our snapshot raises 40001 (a 500) instead of answering 409.
     """
     if isinstance(source, psycopg.Connection):
+        _require_idle(source)
         with source.transaction():
             if read_committed:
                 source.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
@@ -230,6 +255,7 @@ def _transaction(source: Any, *, read_committed: bool = False) -> Iterator[Any]:
 async def _atransaction(source: Any, *, read_committed: bool = False) -> AsyncIterator[Any]:
     """The async twin: a SQLAlchemy AsyncEngine or a psycopg AsyncConnection."""
     if isinstance(source, psycopg.AsyncConnection):
+        _require_idle(source)
         async with source.transaction():
             if read_committed:
                 await source.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
@@ -435,6 +461,7 @@ class IdempotencyGuard:
         `business_key` (from `business_key(body)`) is stored with the key by
         `complete()`, which sets `claim.suspected_duplicates`.
         """
+        _require_transaction(target)
         result: Claim | StoredResponse = drive(target, self._begin(
             scope, key, fingerprint, business_key, self._window(same_request_window)))
         return result
@@ -443,6 +470,7 @@ class IdempotencyGuard:
                      business_key: str | None = None, same_request_window: float | None = None
                      ) -> Claim | StoredResponse:
         """`begin` on an async handle (psycopg AsyncConnection, SQLAlchemy async)."""
+        await _arequire_transaction(target)
         result: Claim | StoredResponse = await adrive(target, self._begin(
             scope, key, fingerprint, business_key, self._window(same_request_window)))
         return result
@@ -453,10 +481,12 @@ class IdempotencyGuard:
         In phased mode the write is fenced by our token: ClaimLost means a retry took
         the key over, and letting it propagate rolls back this request's work.
         """
+        _require_transaction(target)
         drive(target, self._complete(claim, response))
 
     async def acomplete(self, target: Connectable, claim: Claim,
                         response: StoredResponse) -> None:
+        await _arequire_transaction(target)
         await adrive(target, self._complete(claim, response))
 
     # -- phased mode -----------------------------------------------------------------

@@ -296,3 +296,36 @@ async def _enqueue_sync_handle_from_async(conn: Any) -> None:
 
 
 
+
+
+def test_run_refuses_a_psycopg_connection_inside_a_transaction(db_url: str,
+                                                               engine: Engine) -> None:
+    """A review finding: psycopg would turn run()'s transaction into a savepoint of the
+    caller's open one; the client was told 201 with nothing committed."""
+    guard = IdempotencyGuard()
+
+    def work(conn: Any, claim: Claim) -> StoredResponse:
+        enqueue(conn, "contract", {}, claim=claim, name="c")
+        return StoredResponse(201)
+
+    with psycopg.connect(dsn(db_url)) as conn:
+        conn.execute("SELECT 1")  # a transaction is open now
+        for mode in ("atomic", "phased"):
+            with pytest.raises(TypeError, match="no open transaction"):
+                guard.run(conn, "s", f"k-{mode}", "fp", work, mode=mode)  # type: ignore[arg-type]
+        conn.rollback()
+        assert not guard.run(conn, "s", "k-idle", "fp", work).replayed  # idle: fine
+    assert len(effect_keys(engine)) == 1
+
+
+def test_begin_refuses_an_autocommit_handle(engine: Engine, db_url: str) -> None:
+    """In autocommit the key's lock ends after one statement and the key would commit
+    before the work: begin()/complete() need a transaction."""
+    guard = IdempotencyGuard()
+    with engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        with pytest.raises(TypeError, match="autocommit"):
+            guard.begin(conn, "s", "k", "fp")
+    with psycopg.connect(dsn(db_url), autocommit=True) as raw, \
+            pytest.raises(TypeError, match="autocommit"):
+        guard.begin(raw, "s", "k", "fp")
