@@ -118,6 +118,12 @@ def _validate(effect: Effect) -> None:
     _check_strings(effect.payload)
 
 
+def _identity(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two enqueued rows the same effect (cf. effects.match_existing_effects)."""
+    return (row["kind"], _canonical_json(row["payload"]), row["queue"], row["ordering_key"],
+            row["max_attempts"])
+
+
 def _canonical_json(text: str) -> str:
     """One spelling per JSON value (key order, spacing), to compare two payloads."""
     return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
@@ -232,8 +238,7 @@ def _rows_for(batch: Sequence[Effect], claim: Claim | None, headers: str
     clashes: list[str] = []
     for row in rows:
         first = unique.setdefault(row["key"], row)
-        if first is not row and (first["kind"], _canonical_json(first["payload"])) != (
-                row["kind"], _canonical_json(row["payload"])):
+        if first is not row and _identity(first) != _identity(row):
             clashes.append(row["key"])
     if clashes:
         raise EffectKeyConflict(clashes)

@@ -899,6 +899,9 @@ def test_enqueue_many_with_a_repeated_key(engine: Engine) -> None:
     [Effect("hook", {"n": 1}, key="x"), Effect("hook", {"n": 2}, key="x")],   # in one batch
     [Effect("hook", {"n": 1}, key="x"), Effect("mail", {"n": 1}, key="x")],   # other kind
     [Effect("hook", {"n": 9}, key="old")],                                     # vs. a row
+    [Effect("hook", {"n": 1}, key="old", queue="other")],                      # other queue
+    [Effect("hook", {"n": 1}, key="old", ordering_key="o")],                   # other order
+    [Effect("hook", {"n": 1}, key="old", max_attempts=3)],                     # other cap
 ])
 def test_enqueue_refuses_one_key_for_two_different_effects(engine: Engine,
                                                            batch: list[Effect]) -> None:

@@ -96,9 +96,13 @@ def lock_ordering_keys(ordering_keys: Sequence[str]) -> Query[None]:
 
 _MATCH_EXISTING = sql(
     """
-    SELECT e.effect_key, e.id, (e.kind = v.kind AND e.payload = CAST(v.p AS jsonb)) AS same
-      FROM unnest(CAST(:keys AS text[]), CAST(:kinds AS text[]), CAST(:payloads AS text[]))
-           AS v(k, kind, p)
+    SELECT e.effect_key, e.id,
+           (e.kind = v.kind AND e.payload = CAST(v.p AS jsonb) AND e.queue = v.q
+            AND e.ordering_key IS NOT DISTINCT FROM v.ok AND e.max_attempts = v.m) AS same
+      FROM unnest(CAST(:keys AS text[]), CAST(:kinds AS text[]), CAST(:payloads AS text[]),
+                  CAST(:queues AS text[]), CAST(:ordering_keys AS text[]),
+                  CAST(:max_attempts AS int[]))
+           AS v(k, kind, p, q, ok, m)
       JOIN outbox.effects e ON e.effect_key = v.k
     """
 )
@@ -106,13 +110,16 @@ _MATCH_EXISTING = sql(
 
 def match_existing_effects(rows: Sequence[dict[str, Any]]
                            ) -> Query[dict[str, tuple[int, bool]]]:
-    """{effect_key: (id, same kind and payload)} for rows whose key exists already.
+    """{effect_key: (id, the same effect)} for rows whose key exists already.
 
-    Only the conflicting rows of an enqueue come here (off the hot path); `same` is
-    jsonb equality, so key order and whitespace do not count as a difference.
+    Only the conflicting rows of an enqueue come here (off the hot path). The same
+    effect: kind, payload (jsonb equality: key order and spacing do not count), queue,
+    ordering key and attempts cap; anything else would be dropped silently.
     """
     params = {"keys": [r["key"] for r in rows], "kinds": [r["kind"] for r in rows],
-              "payloads": [r["payload"] for r in rows]}
+              "payloads": [r["payload"] for r in rows], "queues": [r["queue"] for r in rows],
+              "ordering_keys": [r["ordering_key"] for r in rows],
+              "max_attempts": [r["max_attempts"] for r in rows]}
     return Query(_MATCH_EXISTING, params,
                  lambda result: {r.effect_key: (r.id, bool(r.same)) for r in result})
 
