@@ -63,8 +63,11 @@ def main() -> int:
     run = uuid.uuid4().hex[:8]
     results: dict[str, dict[str, list[float]]] = {}
 
+    rounds_done: dict[str, int] = {}
+
     def cell(name: str, n: int, loop: Callable[[int, str], None]) -> None:
-        queue = f"bench-{run}-{name}-{n}"
+        r = rounds_done[f"{name}/{n}"] = rounds_done.get(f"{name}/{n}", 0) + 1
+        queue = f"bench-{run}-{name}-{n}-r{r}"  # fresh effect keys in every round
         t0, c0 = time.perf_counter(), time.process_time()
         loop(n, queue)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
