@@ -77,6 +77,10 @@ def test_a_long_transaction_holds_the_horizon_and_the_dead_tuples(engine: Engine
     long_txn = engine.connect().execution_options(isolation_level="REPEATABLE READ")
     try:
         long_txn.begin()
+        # A stuck client without our engine's server-side guard (make_engine sets
+        # idle_in_transaction_session_timeout, which on a loaded box could end this
+        # session mid-test and let VACUUM through).
+        long_txn.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
         assert long_txn.execute(text("SELECT count(*) FROM outbox.effects")).scalar() == ROWS
         for _ in range(5):  # other work goes on: transaction ids are used up
             with engine.begin() as conn:
