@@ -11,6 +11,9 @@ lease tokens are not something a form should race with.
 
 Permissions: viewing needs the model's `view` permission; the actions need
 `outbox.change_effect`.
+
+With `OUTBOX["CONSOLE_URL"]` set (where `outbox.contrib.django.console.console_app`
+serves the web console), the effects list links to it: "Open the outbox console".
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.db import transaction
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
 from django.utils.html import format_html
 
 from outbox.contrib.django.db import DjangoStatements, alias
@@ -81,6 +84,14 @@ class EffectAdmin(_ReadOnly):
                        "lease_expires_at", "trace", "payload_json", "headers_json",
                        "result_json", "last_error")
     fields = readonly_fields
+
+    def changelist_view(self, request: HttpRequest,
+                        extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        from outbox.contrib.django import conf
+
+        context = {"outbox_console_url": conf.raw().get("CONSOLE_URL") or None,
+                   **(extra_context or {})}
+        return super().changelist_view(request, extra_context=context)
 
     @admin.display(description="attempts")
     def attempts_shown(self, obj: Effect) -> str:

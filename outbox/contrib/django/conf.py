@@ -13,6 +13,7 @@ OUTBOX = {
     "SCOPE": "outbox.contrib.django.client_scope",   # dotted path or callable
     "DOORBELLS": [],             # dotted paths of ring(queue) callables, after commit
     "HANDLERS": None,            # "module:registry" for manage.py outbox_worker
+    "CONSOLE_URL": None,         # where the web console is served: the admin links to it
 }
 ```
 
@@ -46,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "SCOPE": "outbox.contrib.django.idempotency.client_scope",
     "DOORBELLS": (),
     "HANDLERS": None,
+    "CONSOLE_URL": None,
 }
 
 
@@ -62,6 +64,7 @@ class OutboxSettings:
     scope: Callable[[Any], str]
     doorbells: tuple[Callable[[str], None], ...]
     handlers: str | None
+    console_url: str | None
 
 
 def raw() -> dict[str, Any]:
@@ -119,6 +122,10 @@ def problems() -> list[str]:
     handlers = merged["HANDLERS"]
     if handlers is not None and (not isinstance(handlers, str) or ":" not in handlers):
         found.append(f"OUTBOX['HANDLERS'] is 'module:registry', not {handlers!r}")
+    console_url = merged["CONSOLE_URL"]
+    if console_url is not None and (not isinstance(console_url, str) or not console_url):
+        found.append(f"OUTBOX['CONSOLE_URL'] is a URL or path such as '/outbox/console/', "
+                     f"not {console_url!r}")
     return [p for p in found if p]
 
 
@@ -155,7 +162,7 @@ def get() -> OutboxSettings:
         max_body=int(merged["MAX_BODY"]), max_stored_body=int(merged["MAX_STORED_BODY"]),
         stored_headers=tuple(merged["STORED_HEADERS"]), scope=_callable(merged["SCOPE"]),
         doorbells=tuple(_callable(b) for b in merged["DOORBELLS"]),
-        handlers=merged["HANDLERS"])
+        handlers=merged["HANDLERS"], console_url=merged["CONSOLE_URL"])
     _cache[:] = [loaded]
     return loaded
 
