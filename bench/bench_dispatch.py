@@ -449,16 +449,35 @@ def worker_main(argv: Sequence[str]) -> int:
 
         threading.Thread(target=wait_stop, daemon=True).start()
         prof = None
+        thread_profs: list[Any] = []
         if os.environ.get("BENCH_PROFILE"):
             import cProfile
 
             prof = cProfile.Profile()
             prof.enable()
+
+            # Every thread started from here on (delivery pool, completer) gets its own
+            # profiler; all are merged into one file: the whole worker, not its loop only.
+            def boot(frame: Any, event: str, arg: Any,
+                     thread_profs: list[Any] = thread_profs) -> None:
+                sys.setprofile(None)
+                p = cProfile.Profile()
+                thread_profs.append(p)
+                p.enable()
+
+            threading.setprofile(boot)
         run_worker(d, poll_interval=msg.get("poll", 1.0), grace=5.0, stop=stop,
                    install_signals=False, listen=msg.get("listen", True))
         if prof is not None:
+            import pstats
+
             prof.disable()
-            prof.dump_stats(f"{os.environ['BENCH_PROFILE']}.{os.getpid()}.prof")
+            threading.setprofile(None)  # type: ignore[arg-type]
+            merged = pstats.Stats(prof)
+            for p in thread_profs:
+                with contextlib.suppress(TypeError):  # a thread that recorded nothing
+                    merged.add(p)
+            merged.dump_stats(f"{os.environ['BENCH_PROFILE']}.{os.getpid()}.prof")
         emit({"claimed": d.stats.claimed, "recorded": d.stats.recorded,
               "latencies": list(latencies)})
     engine.dispose()

@@ -8,6 +8,7 @@ raw-SQL ceiling vs. pgqueuer (one sitting: the JSON lines of one run with `peers
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,17 @@ from typing import Any
 def main(argv: list[str]) -> int:
     src, dst = Path(argv[0]), Path(argv[1])
     rows = [json.loads(ln) for ln in src.read_text().splitlines() if ln.startswith("{")]
-    ours = {(r["workers"], r["batch"]): r["rate_median"] for r in rows
-            if r.get("section") == "work" and r.get("handler") == "noop"}
-    peers: dict[tuple[str, int, int], float] = {
-        (r["peer"], r["batch"], r.get("clients", 1)): r["rate_median"]
-        for r in rows if r.get("section") == "peers" and r.get("rate_median")}
+    # Several runs in one file (rounds of one sitting): the median per configuration.
+    ours_runs: dict[tuple[int, int], list[float]] = {}
+    peer_runs: dict[tuple[str, int, int], list[float]] = {}
+    for r in rows:
+        if r.get("section") == "work" and r.get("handler") == "noop":
+            ours_runs.setdefault((r["workers"], r["batch"]), []).append(r["rate_median"])
+        elif r.get("section") == "peers" and r.get("rate_median"):
+            peer_runs.setdefault((r["peer"], r["batch"], r.get("clients", 1)), []).append(
+                r["rate_median"])
+    ours = {k: statistics.median(v) for k, v in ours_runs.items()}
+    peers = {k: statistics.median(v) for k, v in peer_runs.items()}
     configs = sorted(ours, key=lambda k: (k[1], k[0]))
 
     import matplotlib
@@ -49,7 +56,8 @@ def main(argv: list[str]) -> int:
     ax.set_xticks(range(len(configs)), labels)
     ax.set_ylabel("no-op effects / s")
     summary: dict[str, Any] = next((r for r in rows if r.get("section") == "summary"), {})
-    ax.set_title("Dispatch throughput, one sitting, 2 vCPU shared box"
+    runs = max((len(v) for v in ours_runs.values()), default=0)
+    ax.set_title(f"No-op dispatch, median of {runs} interleaved rounds, 2 vCPU shared box"
                  + (f" (git {summary['git']})" if summary.get("git") else ""), fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)

@@ -27,14 +27,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from dispatcher.completer import Completer, Stats
-from dispatcher.executor import Executor, _crashpoint, _db_text, _jsonb_text
+from dispatcher.executor import Executor, SlotPool, _crashpoint, _db_text, _jsonb_text
 from dispatcher.handlers import Registry
 from dispatcher.policy import RetryPolicy
 from dispatcher.producer import Producer, backend_pid, db_retry
@@ -105,7 +105,7 @@ class Dispatcher:
         self.completer = Completer(engine, worker_id=self.worker_id, clock=clock,
                                    stats=self.stats, target=min(concurrency, max_batch))
         self.completer.on_written = self.wake.set
-        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="outbox-deliver")
+        self._pool = SlotPool(concurrency, "outbox-deliver")
         self._lock = threading.Lock()
         self._inflight: dict[int, _InFlight] = {}
         self._last_extend = time.monotonic()
@@ -356,5 +356,5 @@ class Dispatcher:
         if release:
             log.warning("released %d in-flight effects at shutdown", len(release))
         self.flush()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         self.executor.stop()
