@@ -57,7 +57,11 @@ def _broker_url() -> str:
     return "sqla+" + database_url()
 
 
-app = Celery("outbox", broker=_broker_url(), set_as_current=False)
+app = Celery("outbox", set_as_current=False)
+# Resolved when the configuration is first read (a worker or a producer using the app),
+# never at import: without BROKER_URL the default broker is our database, and without
+# DATABASE_URL that may mean starting the embedded server.
+app.add_defaults(lambda: {"broker_url": _broker_url()})
 app.conf.update(
     task_acks_late=True,
     task_reject_on_worker_lost=True,

@@ -344,10 +344,20 @@ def register(app: Celery, *, queue_name: str | None = None,
                            ignore_result=True, **route)(sweep)
 
     if beat:
-        schedule = dict(app.conf.beat_schedule or {})
-        schedule["outbox-sweep"] = {"task": "outbox.sweep", "schedule": sweep_interval,
-                                    "options": {"expires": sweep_interval * 2, **route}}
-        app.conf.beat_schedule = schedule
+        entry = {"task": "outbox.sweep", "schedule": sweep_interval,
+                 "options": {"expires": sweep_interval * 2, **route}}
+
+        def add_beat_entry(sender: Celery, **_: Any) -> None:
+            sender.conf.beat_schedule = {**(sender.conf.beat_schedule or {}),
+                                         "outbox-sweep": entry}
+
+        # Reading the app's configuration finalizes it (and resolves its broker, which
+        # for our default app may start the embedded database): add the entry once the
+        # app is configured anyway, not at import.
+        if app.configured:
+            add_beat_entry(app)
+        else:
+            app.on_after_configure.connect(add_beat_entry, weak=False)
 
     if periodic_sweep:
         class SweepTimer(bootsteps.StartStopStep):  # type: ignore[misc]

