@@ -323,18 +323,21 @@ def mark_processed(conn: Connection, source: str, event_id: str,
     return conn.execute(_MARK_PROCESSED, params).first() is not None
 
 
-# ctid within one statement is stable; SKIP LOCKED leaves rows an ingesting
-# transaction holds (a conflict being counted) for a later batch instead of waiting.
+# By primary key, never ctid: a row an ingestion updated (a conflict counted) after
+# this statement's snapshot is locked at its new version, whose ctid the DELETE's
+# snapshot cannot see, so a ctid match deleted nothing and ended the purge early (seen
+# under load). SKIP LOCKED leaves rows an ingesting transaction holds for a later
+# batch instead of waiting.
 _PURGE_PROCESSED = text(
     f"""
     DELETE FROM outbox.inbox
-     WHERE ctid = ANY(ARRAY(
-           SELECT ctid FROM outbox.inbox
+     WHERE (source, event_id) IN (
+           SELECT source, event_id FROM outbox.inbox
             WHERE received_at < {_NOW} - make_interval(secs => :older_than)
               AND processed_at IS NOT NULL
             ORDER BY received_at
             LIMIT :batch
-              FOR UPDATE SKIP LOCKED))
+              FOR UPDATE SKIP LOCKED)
     """
 )
 
@@ -381,11 +384,11 @@ _PURGE_VERSIONS = text(
          LIMIT :batch
     ), gone AS (
         DELETE FROM outbox.entity_versions
-         WHERE ctid = ANY(ARRAY(
-               SELECT ev.ctid FROM outbox.entity_versions ev
+         WHERE (source, entity) IN (
+               SELECT ev.source, ev.entity FROM outbox.entity_versions ev
                  JOIN page ON ev.source = page.source AND ev.entity = page.entity
                 WHERE ev.updated_at < {_NOW} - make_interval(secs => :older_than)
-                  FOR UPDATE OF ev SKIP LOCKED))
+                  FOR UPDATE OF ev SKIP LOCKED)
         RETURNING 1
     ), last AS (
         SELECT source, entity FROM page ORDER BY source DESC, entity DESC LIMIT 1
