@@ -22,7 +22,6 @@ RUN uv sync --locked --no-dev --no-install-project
 
 COPY outbox ./outbox
 COPY dispatcher ./dispatcher
-COPY examples ./examples
 COPY migrations ./migrations
 RUN uv sync --locked --no-dev --no-editable
 

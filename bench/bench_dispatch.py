@@ -10,7 +10,7 @@ Sections
   work     effects/s drained by W worker processes (`run_worker`, the `outbox worker`
            loop) with concurrency = max_batch = B, for a no-op handler and for the
            built-in HttpHandler posting to the loopback receiver
-           (examples/payments/psp.py, its own process). Effects are prefilled (untimed)
+           (dispatcher/examples/payments/psp.py, its own process). Effects are prefilled (untimed)
            with one INSERT ... SELECT; the rate is the growth of `attempts` rows with
            outcome `delivered` over a fixed window after a warm-up, like pgbench's
            "rows that reached delivered / duration".
@@ -579,7 +579,7 @@ class Bench:
             extra: list[str] = []
             roles: dict[int, str] = {}
             if handler == HTTP:
-                from examples.payments.psp import ReceiverProcess
+                from dispatcher.examples.payments.psp import ReceiverProcess
 
                 receiver = ReceiverProcess().start()
                 roles[receiver.pid] = "receiver"

@@ -40,7 +40,7 @@ def setup(url: str) -> Any:
     import django
     from django.conf import settings
 
-    from examples.payments.django_app.settings import database_from_url
+    from dispatcher.examples.payments.django_app.settings import database_from_url
 
     db = {**database_from_url(url), "CONN_MAX_AGE": 600}
     settings.configure(

@@ -427,11 +427,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_example_api(args: argparse.Namespace) -> int:
     if args.framework == "django":  # the same routes and answers, in DRF (DESIGN §8)
-        from examples.payments.django_app.serve import serve as serve_django
+        from dispatcher.examples.payments.django_app.serve import serve as serve_django
 
         serve_django(args.host, args.port)
         return 0
-    from examples.payments.app import serve
+    from dispatcher.examples.payments.app import serve
 
     serve(args.host, args.port)
     return 0
@@ -471,7 +471,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from examples.payments.demo import main as demo_main
+    from dispatcher.examples.payments.demo import main as demo_main
     from outbox._config import EMBEDDED_ENV
 
     os.environ.setdefault(EMBEDDED_ENV, "1")  # the demo brings its own database

@@ -326,7 +326,8 @@ def load_registry(spec: str | None = None) -> Registry:
     Default: `$OUTBOX_HANDLERS`, else the payments example's registry, which routes
     `psp.charge` and `email.receipt` to `$PSP_URL`.
     """
-    spec = spec or os.environ.get("OUTBOX_HANDLERS") or "examples.payments.handlers:registry"
+    spec = (spec or os.environ.get("OUTBOX_HANDLERS")
+            or "dispatcher.examples.payments.handlers:registry")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -21,7 +21,7 @@ from outbox._config import EMBEDDED_ENV
 # `uv run pytest` on a fresh machine); children inherit the opt-in.
 os.environ.setdefault(EMBEDDED_ENV, "1")
 
-from examples.payments.psp import ReceiverProcess
+from dispatcher.examples.payments.psp import ReceiverProcess
 from outbox import _migrate
 from outbox._config import database_url, make_engine
 

@@ -29,8 +29,8 @@ from sqlalchemy import Engine, text
 
 from dispatcher import celery_app
 from dispatcher._core import Dispatcher
+from dispatcher.examples.payments.psp import ReceiverProcess
 from dispatcher.handlers import Registry
-from examples.payments.psp import ReceiverProcess
 from outbox.sql import dispatch as sql
 from tests.dispatch_support import add_effects, db_now, effect_row, keys, wait_until
 from tests.test_dispatcher_processes import (

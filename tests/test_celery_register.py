@@ -25,8 +25,8 @@ import pytest
 from sqlalchemy import Engine, text
 
 from dispatcher._core import Dispatcher
+from dispatcher.examples.payments.psp import ReceiverProcess
 from dispatcher.handlers import Registry
-from examples.payments.psp import ReceiverProcess
 from tests.dispatch_support import add_effects, keys, wait_until
 from tests.test_celery_queues import (
     REDIS_URL,

@@ -1,6 +1,6 @@
 """The dispatcher in-process: claim, lease, fence, classify, retry, order (fast).
 
-Real PostgreSQL; the HTTP cases go through the fake PSP (examples/payments/psp.py) on a
+Real PostgreSQL; the HTTP cases go through the fake PSP (dispatcher/examples/payments/psp.py) on a
 loopback thread. Time moves through the statements' `now` argument and the
 Dispatcher's injectable clock (H8b), never through sleeps longer than a blip.
 Catalogue IDs: research/anchors-reliability.md section C (F17, F20, F22-F25, F31).
@@ -26,8 +26,8 @@ from sqlalchemy.exc import OperationalError
 from tenacity import retry_if_exception_type, wait_fixed
 
 from dispatcher import Dispatcher, HttpHandler, Registry, RetryPolicy
+from dispatcher.examples.payments.psp import Receiver
 from dispatcher.handlers import EffectContext
-from examples.payments.psp import Receiver
 from outbox.errors import (
     AmbiguousOutcome,
     PermanentFailure,

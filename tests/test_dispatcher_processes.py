@@ -2,7 +2,7 @@
 
 Every test runs real subprocesses (`python -m dispatcher.cli worker`, `celery -A
 dispatcher.celery_app worker`) against the session's PostgreSQL database and the fake
-PSP (examples/payments/psp.py) running as its own process, whose ledger counts
+PSP (dispatcher/examples/payments/psp.py) running as its own process, whose ledger counts
 deliveries and applications per Idempotency-Key. Faults: SIGKILL at crash points (H1,
 H3), SIGSTOP/SIGCONT (H2), pg_terminate_backend (H4), receiver misbehaviour (H7).
 After each run a checker compares the database with the receiver's ledger (H10).
@@ -33,7 +33,7 @@ import redis
 from celery import Celery
 from sqlalchemy import Engine, text
 
-from examples.payments.psp import ReceiverProcess
+from dispatcher.examples.payments.psp import ReceiverProcess
 from outbox._config import normalize_url
 from tests.dispatch_support import (
     add_effects,

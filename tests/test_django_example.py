@@ -33,7 +33,7 @@ import httpx
 import pytest
 from sqlalchemy import Engine, text
 
-from examples.payments.psp import ReceiverProcess
+from dispatcher.examples.payments.psp import ReceiverProcess
 from outbox._idempotency import advisory_lock_id
 from outbox.webhooks import StandardWebhooks
 from tests.test_http import CASES, PAYMENT, PAYMENT_BYTES, WEBHOOK_CASES, Case, event
@@ -382,7 +382,7 @@ def test_manage_py_outbox_worker_delivers_each_charge_once(django_base: str, eng
     for key in ("w-1", "w-2", "w-3"):
         assert exchange(django_base, *post(key=key.encode())).status == 201
     env = {**os.environ, "DATABASE_URL": db_url, "PSP_URL": psp_process.url,
-           "DJANGO_SETTINGS_MODULE": "examples.payments.django_app.settings"}
+           "DJANGO_SETTINGS_MODULE": "dispatcher.examples.payments.django_app.settings"}
     env.pop("BROKER_URL", None)
     worker = subprocess.Popen(
         [sys.executable, "-m", "django", "outbox_worker", "--concurrency", "4",

@@ -44,11 +44,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import QueuePool
 
 from dispatcher._core import Dispatcher
+from dispatcher.examples.payments.app import create_app
+from dispatcher.examples.payments.psp import Receiver, ReceiverProcess
+from dispatcher.examples.payments.schema import ensure_schema
 from dispatcher.handlers import EffectContext, Handler, HttpHandler, Registry
 from dispatcher.worker import run_worker
-from examples.payments.app import create_app
-from examples.payments.psp import Receiver, ReceiverProcess
-from examples.payments.schema import ensure_schema
 from outbox import Effect, _migrate, enqueue_many
 from outbox._config import make_engine, normalize_url
 from outbox._idempotency import Mode

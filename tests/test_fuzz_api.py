@@ -29,8 +29,8 @@ with warnings.catch_warnings():  # starlette would rather have `httpx2`; httpx w
         status_code_conformance,
     )
 
-from examples.payments.app import create_app
-from examples.payments.schema import ensure_schema
+from dispatcher.examples.payments.app import create_app
+from dispatcher.examples.payments.schema import ensure_schema
 
 OPERATIONS = [
     ("POST", "/payments"),

@@ -34,9 +34,9 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
-from examples.payments.app import create_app
-from examples.payments.auth import BearerTokens
-from examples.payments.schema import ensure_schema
+from dispatcher.examples.payments.app import create_app
+from dispatcher.examples.payments.auth import BearerTokens
+from dispatcher.examples.payments.schema import ensure_schema
 from outbox import Claim, IdempotencyGuard
 from outbox._canonical import fingerprint
 from outbox._config import make_engine
@@ -944,7 +944,8 @@ def test_webhook_without_source_is_404(atomic_client: TestClient) -> None:
 def test_serve_exits_cleanly_on_sigterm(payments_db: Engine, db_url: str) -> None:
     env = {**os.environ, "DATABASE_URL": db_url}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "examples.payments.app", "--port", "0"], cwd=ROOT, env=env,
+        [sys.executable, "-m", "dispatcher.examples.payments.app", "--port", "0"], cwd=ROOT,
+        env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:

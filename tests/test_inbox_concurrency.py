@@ -18,7 +18,7 @@ import httpx
 import pytest
 from sqlalchemy import Connection, Engine, text
 
-from examples.payments.app import create_app
+from dispatcher.examples.payments.app import create_app
 from outbox import InboxOutcome, IncomingEvent, ingest, ingest_many
 from outbox._config import make_engine
 from outbox.http import PROBLEM_MEDIA_TYPE
@@ -265,7 +265,7 @@ def test_a_deadlock_at_the_batch_endpoint_is_retried_once_server_side(
     with engine.begin() as conn:
         ingest_many(conn, [IncomingEvent("s", "x", {"type": "t", "data": {}}),
                            IncomingEvent("s", "y", {"type": "t", "data": {}})])
-    caplog.set_level(logging.INFO, logger="examples.payments.app")
+    caplog.set_level(logging.INFO, logger="dispatcher.examples.payments.app")
     app = create_app(app_engine_factory(deadlock_timeout="100ms"))
     answers: list[httpx.Response] = []
     lock_row = text("SELECT 1 FROM outbox.inbox WHERE source = 's' AND event_id = :k"

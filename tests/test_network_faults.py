@@ -31,11 +31,11 @@ import redis
 from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import OperationalError
 
+from dispatcher.examples.payments.app import create_app
+from dispatcher.examples.payments.psp import Receiver, ReceiverProcess
+from dispatcher.examples.payments.schema import ensure_schema
 from dispatcher.handlers import EffectContext, HttpHandler
 from dispatcher.worker import listen_for_due
-from examples.payments.app import create_app
-from examples.payments.psp import Receiver, ReceiverProcess
-from examples.payments.schema import ensure_schema
 from outbox._config import NOTIFY_CHANNEL, make_engine
 from outbox._connections import idle_in_transaction_timeout
 from outbox._idempotency import Mode
@@ -714,7 +714,7 @@ def test_every_leg_silenced_at_once_under_api_load(
         procs.spawn("net-api", [sys.executable, "-m", "dispatcher.cli", "example-api",
                                       "--host", "127.0.0.1", "--port", str(api_port)],
                           worker_env(db_url, api_pg))
-        handlers = "examples.payments.handlers:registry"
+        handlers = "dispatcher.examples.payments.handlers:registry"
         env = worker_env(db_url, worker_pg, f"http://127.0.0.1:{psp_leg.port}",
                          OUTBOX_HANDLERS=handlers)
         procs.spawn("net-all-w", [

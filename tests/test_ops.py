@@ -41,7 +41,7 @@ DOCUMENTED_COMMANDS = (
     "outbox example-api",
     "celery -A dispatcher.celery_app worker",
     "celery -A dispatcher.celery_app beat",
-    "python -m examples.payments.psp",
+    "python -m dispatcher.examples.payments.psp",
 )
 #: Alerts the runbook promises (each has a section there).
 REQUIRED_ALERTS = {
@@ -322,7 +322,7 @@ def test_app_services_run_documented_commands() -> None:
         "api": "outbox example-api --host 0.0.0.0 --port 8000",
         "worker": "celery -A dispatcher.celery_app worker --pool prefork -c 2",
         "beat": "celery -A dispatcher.celery_app beat",
-        "psp": "python -m examples.payments.psp --host 0.0.0.0 --port 8081",
+        "psp": "python -m dispatcher.examples.payments.psp --host 0.0.0.0 --port 8081",
     }
     assert {n: " ".join(command_of(s)) for n, s in app_services().items()} == expected
 
@@ -337,7 +337,7 @@ def test_outbox_commands_parse_with_our_cli() -> None:
 
 
 def test_psp_and_celery_commands_resolve() -> None:
-    out = subprocess.run([sys.executable, "-m", "examples.payments.psp", "--help"],
+    out = subprocess.run([sys.executable, "-m", "dispatcher.examples.payments.psp", "--help"],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert "--host" in out.stdout and "--port" in out.stdout
@@ -361,11 +361,11 @@ def test_app_services_build_from_the_root_dockerfile() -> None:
     copied = {w for c in re.findall(r"^COPY (?!--from)(.+)$", text, re.M)
               for w in c.split()[:-1]}
     # Every package pyproject ships must be in the image, and what uv needs to lock it.
-    for top in ("outbox", "dispatcher", "examples", "migrations", "pyproject.toml",
+    for top in ("outbox", "dispatcher", "migrations", "pyproject.toml",
                 "uv.lock", "README.md"):
         assert top in copied, f"{top} not copied"
     ignored = (ROOT / ".dockerignore").read_text().split()
-    for needed in ("outbox", "dispatcher", "examples", "migrations", "pyproject.toml",
+    for needed in ("outbox", "dispatcher", "migrations", "pyproject.toml",
                    "README.md", "uv.lock"):
         assert needed not in ignored, f".dockerignore drops {needed}"
     assert ".venv" in ignored and ".git" in ignored
@@ -512,7 +512,7 @@ def test_env_example_documents_every_required_variable() -> None:
 
 
 def test_make_env_generates_every_secret_and_never_overwrites(tmp_path: Path) -> None:
-    from examples.payments.auth import parse_tokens
+    from dispatcher.examples.payments.auth import parse_tokens
     from outbox.webhooks import WebhookSources
 
     env = generated_env(tmp_path)

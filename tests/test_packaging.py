@@ -34,6 +34,11 @@ def test_wheel_ships_migrations_and_migrates_outside_the_checkout(
     assert "outbox/_migrations/env.py" in names
     assert "outbox/_migrations/versions/0001_initial.py" in names
     assert "outbox/_migrations/script.py.mako" in names
+    # Only our own top-level names: `examples` (installed by other distributions too)
+    # lives under dispatcher.examples.
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"outbox", "dispatcher"}, tops
+    assert "dispatcher/examples/payments/app.py" in names
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "zipfile", "-e", str(wheel), str(target)],
@@ -128,7 +133,7 @@ def test_every_package_is_in_the_wheel() -> None:
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
                  ["packages"])
     found = {str(p.parent.relative_to(ROOT)).replace("/", ".")
-             for top in ("outbox", "dispatcher", "examples")
+             for top in ("outbox", "dispatcher")
              for p in (ROOT / top).rglob("__init__.py")}
     found = {("outbox._migrations" if f == "migrations" else f) for f in found}
     assert found <= listed, f"missing from [tool.setuptools] packages: {sorted(found - listed)}"

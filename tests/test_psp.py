@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from examples.payments.psp import Ledger, Receiver, ReceiverProcess, main
+from dispatcher.examples.payments.psp import Ledger, Receiver, ReceiverProcess, main
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI
 from sqlalchemy import Connection, Engine, text
 from starlette.responses import JSONResponse, Response
 
-from examples.payments.psp import Receiver
+from dispatcher.examples.payments.psp import Receiver
 from outbox import Claim
 from outbox.errors import ConfigurationError
 from outbox.http import (

@@ -30,8 +30,8 @@ from sqlalchemy.pool import NullPool
 
 import outbox._enqueue
 from dispatcher import Dispatcher, EffectContext, HttpHandler, Registry
+from dispatcher.examples.payments.psp import Receiver
 from dispatcher.metrics import QueueGauges, register_queue_gauges
-from examples.payments.psp import Receiver
 from outbox import enqueue
 from outbox.errors import AmbiguousOutcome, PermanentFailure
 from outbox.sql import dispatch as dsql

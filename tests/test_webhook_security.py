@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from examples.payments.app import create_app
-from examples.payments.auth import BearerTokens
-from examples.payments.schema import ensure_schema
+from dispatcher.examples.payments.app import create_app
+from dispatcher.examples.payments.auth import BearerTokens
+from dispatcher.examples.payments.schema import ensure_schema
 from outbox import ingest
 from outbox._inbox import (
     MAX_CONFLICT_COPIES,

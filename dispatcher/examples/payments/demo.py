@@ -46,7 +46,7 @@ from typing import IO, Any, TextIO
 import httpx
 from sqlalchemy import Engine, make_url, text
 
-from examples.payments.schema import ensure_schema
+from dispatcher.examples.payments.schema import ensure_schema
 from outbox import _embedded, _migrate
 from outbox._config import database_url, make_engine
 
@@ -723,7 +723,7 @@ class Demo:
         self.procs = procs = Processes(logdir, env)
 
         t = time.monotonic()
-        psp = procs.start("psp", [sys.executable, "-m", "examples.payments.psp",
+        psp = procs.start("psp", [sys.executable, "-m", "dispatcher.examples.payments.psp",
                                   "--host", "127.0.0.1", "--port", str(psp_port),
                                   "--db", str(logdir / "psp.sqlite3")])
         api = procs.start("api", [sys.executable, "-m", "dispatcher.cli", "example-api",

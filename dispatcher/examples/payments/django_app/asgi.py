@@ -22,7 +22,7 @@ from outbox._canonical import DEFAULT_MAX_BODY
 from outbox.contrib.django.idempotency import problem
 from outbox.errors import RequestBodyTooLarge
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "examples.payments.django_app.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dispatcher.examples.payments.django_app.settings")
 
 CEILING = 2 * DEFAULT_MAX_BODY
 Scope = dict[str, Any]

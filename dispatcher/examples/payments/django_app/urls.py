@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from examples.payments.django_app import views
+from dispatcher.examples.payments.django_app import views
 
 urlpatterns = [
     path("payments", views.PaymentsView.as_view()),

@@ -18,7 +18,7 @@ The ledger lives in SQLite (WAL) so several receiver processes, or a receiver re
 mid-test, share one truth. Standard library only, so it starts in milliseconds in a test
 thread and runs as its own process::
 
-    python -m examples.payments.psp --host 127.0.0.1 --port 0 --db /tmp/psp.sqlite3
+    python -m dispatcher.examples.payments.psp --host 127.0.0.1 --port 0 --db /tmp/psp.sqlite3
 
 which prints one line ``{"url": "http://127.0.0.1:PORT"}`` once it is listening and exits
 cleanly on SIGTERM or SIGINT.
@@ -1051,7 +1051,7 @@ def _url_host(host: str) -> str:
 
 
 class ReceiverProcess(ReceiverClient):
-    """The receiver as its own process (``python -m examples.payments.psp``).
+    """The receiver as its own process (``python -m dispatcher.examples.payments.psp``).
 
     For crash and restart tests: SIGKILL it, start another on the same ``db`` file, and
     the ledger carries over; two of them on one file dedupe against each other.
@@ -1083,7 +1083,7 @@ class ReceiverProcess(ReceiverClient):
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        cmd = [self.python, "-m", "examples.payments.psp", "--host", self.host,
+        cmd = [self.python, "-m", "dispatcher.examples.payments.psp", "--host", self.host,
                "--port", str(self.port)]
         if self.db is not None:
             cmd += ["--db", os.fspath(self.db)]
@@ -1140,7 +1140,7 @@ class ReceiverProcess(ReceiverClient):
 
 def main(argv: list[str] | None = None) -> int:
     """Run a receiver until SIGTERM/SIGINT; print ``{"url": ...}`` once listening."""
-    parser = argparse.ArgumentParser(prog="python -m examples.payments.psp",
+    parser = argparse.ArgumentParser(prog="python -m dispatcher.examples.payments.psp",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")

@@ -1,4 +1,4 @@
-"""The example's `payments.payments` table (examples/payments/schema.py creates it)."""
+"""The example's `payments.payments` table (dispatcher/examples/payments/schema.py creates it)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 * `GET /payments/{id}`: 200, or a 404/422 problem (never a 500 for any id).
 * `POST /webhooks/{source}`: idempotent ingestion keyed by (source, id), signed the
   Standard Webhooks way with the source's secret from `EXAMPLE_WEBHOOK_SECRETS`
-  (examples/payments/webhooks.py: unknown source 404, missing/bad/stale signature 401,
+  (dispatcher/examples/payments/webhooks.py: unknown source 404, missing/bad/stale signature 401,
   nothing stored; unset, unsigned events are accepted). 200 with
   `{"outcome": "inserted"|"duplicate"|"stale"|"conflict"}`. A conflict (same id,
   other payload) is also a 200: it is recorded in `outbox.inbox_conflicts` and
@@ -15,7 +15,7 @@
   real failures in the retry noise. `POST /webhooks/{source}/batch` takes an array
   (one signature over the whole array).
 * Clients are identified by `Authorization: Bearer <client>.<secret>`
-  (examples/payments/auth.py); keys are scoped by client, so a retry with a
+  (dispatcher/examples/payments/auth.py); keys are scoped by client, so a retry with a
   refreshed token replays, and another client's same key is its own request.
 * `GET /healthz`: 200 when the database answers and is migrated, else a 503 problem.
 
@@ -43,9 +43,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.responses import JSONResponse, Response
 
-from examples.payments.auth import BearerTokens, backend_from_env, on_auth_error
-from examples.payments.schema import CURRENCIES, MAX_AMOUNT, MAX_CUSTOMER, ensure_schema, payments
-from examples.payments.webhooks import sources_from_env, verified_body
+from dispatcher.examples.payments.auth import BearerTokens, backend_from_env, on_auth_error
+from dispatcher.examples.payments.schema import (
+    CURRENCIES,
+    MAX_AMOUNT,
+    MAX_CUSTOMER,
+    ensure_schema,
+    payments,
+)
+from dispatcher.examples.payments.webhooks import sources_from_env, verified_body
 from outbox import enqueue
 from outbox._canonical import DEFAULT_MAX_BODY
 from outbox._config import make_engine
@@ -356,7 +362,8 @@ def serve(host: str = "127.0.0.1", port: int = 8000) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m examples.payments.app [--host H] [--port P]` (same as `outbox example-api`)."""
+    """`python -m dispatcher.examples.payments.app [--host H] [--port P]`
+    (the same as `outbox example-api`)."""
     parser = argparse.ArgumentParser(description="Run the example payments API.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

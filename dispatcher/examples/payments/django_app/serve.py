@@ -9,7 +9,7 @@ import sys
 import threading
 from types import FrameType
 
-SETTINGS = "examples.payments.django_app.settings"
+SETTINGS = "dispatcher.examples.payments.django_app.settings"
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
@@ -36,7 +36,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000) -> None:
             print(f"outbox example-api: {message}", file=sys.stderr)
         raise SystemExit(2)
 
-    from examples.payments.schema import ensure_schema
+    from dispatcher.examples.payments.schema import ensure_schema
     from outbox._config import make_engine
     from outbox.contrib.django.db import database_url
 
@@ -45,7 +45,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000) -> None:
         ensure_schema(engine)
     finally:
         engine.dispose()
-    from examples.payments.django_app.asgi import application
+    from dispatcher.examples.payments.django_app.asgi import application
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -54,7 +54,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m examples.payments.django_app.serve [--host H] [--port P]`."""
+    """`python -m dispatcher.examples.payments.django_app.serve [--host H] [--port P]`."""
     parser = argparse.ArgumentParser(description="Run the example payments API (Django).")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

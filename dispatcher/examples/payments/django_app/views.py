@@ -1,7 +1,7 @@
 """The payments service's views in DRF: the routes and answers of the FastAPI example.
 
 Each answer is built to be the FastAPI example's, byte for byte where a client could
-tell: the same pydantic body model (examples/payments/app.py `PaymentIn`, hence the
+tell: the same pydantic body model (dispatcher/examples/payments/app.py `PaymentIn`, hence the
 same 422 `errors`), the same problem+json for every error (outbox.contrib.django),
 the same 405 (`Allow`, no HEAD/OPTIONS), 404, 307 for a trailing slash, 401 rules.
 """
@@ -19,9 +19,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 from sqlalchemy import Engine
 
-from examples.payments.app import MAX_BIGINT, PaymentIn, _ingest_in_transaction
-from examples.payments.django_app.models import Payment
-from examples.payments.webhooks import sources_from_env
+from dispatcher.examples.payments.app import MAX_BIGINT, PaymentIn, _ingest_in_transaction
+from dispatcher.examples.payments.django_app.models import Payment
+from dispatcher.examples.payments.webhooks import sources_from_env
 from outbox import enqueue, ingest, ingest_many, parse_event, parse_event_batch
 from outbox._canonical import DEFAULT_MAX_BODY
 from outbox._config import make_engine
@@ -113,7 +113,7 @@ def _sources() -> WebhookSources:
 
 
 def verified_body(source: str, request: Request) -> bytes:
-    """examples/payments/webhooks.py `verified_body`, on a Django request: 404, 413,
+    """dispatcher/examples/payments/webhooks.py `verified_body`, on a Django request: 404, 413,
     401, 415, in that order, before anything is parsed or stored."""
     sources = _sources()
     sources.check_source(source)

@@ -37,23 +37,24 @@ DEBUG = False
 ALLOWED_HOSTS = ["*"]
 USE_TZ = True
 TIME_ZONE = "UTC"
-ROOT_URLCONF = "examples.payments.django_app.urls"
+ROOT_URLCONF = "dispatcher.examples.payments.django_app.urls"
 DATABASES = {"default": database_from_url(database_url())}
 INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.auth",
     "rest_framework",
     "outbox.contrib.django",
-    "examples.payments.django_app",
+    "dispatcher.examples.payments.django_app",
 ]
 MIDDLEWARE = [
-    "examples.payments.django_app.auth.BearerTokenMiddleware",
+    "dispatcher.examples.payments.django_app.auth.BearerTokenMiddleware",
     "django.middleware.common.CommonMiddleware",  # Content-Length on every answer
 ]
 APPEND_SLASH = False
 REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "outbox.contrib.django.drf.problem_exception_handler",
-    "DEFAULT_AUTHENTICATION_CLASSES": ["examples.payments.django_app.auth.FromMiddleware"],
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "dispatcher.examples.payments.django_app.auth.FromMiddleware"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],

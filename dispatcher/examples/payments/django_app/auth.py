@@ -2,7 +2,7 @@
 
 A middleware, like Starlette's AuthenticationMiddleware in the FastAPI example, so a
 bad credential is a 401 on every route; it runs the FastAPI example's own backend
-(examples/payments/auth.py `BearerTokens`: the same parsing, constant-time lookup,
+(dispatcher/examples/payments/auth.py `BearerTokens`: the same parsing, constant-time lookup,
 messages and open demo mode). DRF then takes the middleware's user (`FromMiddleware`),
 and `outbox.contrib.django.client_scope` scopes idempotency keys by its identity.
 """
@@ -18,7 +18,7 @@ from rest_framework.request import Request
 from starlette.authentication import AuthenticationError
 from starlette.requests import HTTPConnection
 
-from examples.payments.auth import BearerTokens, backend_from_env
+from dispatcher.examples.payments.auth import BearerTokens, backend_from_env
 from outbox.contrib.django.idempotency import _HeaderView, problem_response
 
 

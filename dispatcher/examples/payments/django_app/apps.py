@@ -4,7 +4,7 @@ from django.apps import AppConfig
 
 
 class PaymentsConfig(AppConfig):
-    name = "examples.payments.django_app"
+    name = "dispatcher.examples.payments.django_app"
     label = "payments"
     verbose_name = "Payments (example)"
     default_auto_field = "django.db.models.BigAutoField"
