@@ -37,7 +37,7 @@ from dispatcher.completer import Completer, Stats
 from dispatcher.executor import Executor, SlotPool, _crashpoint, _db_text, _jsonb_text
 from dispatcher.handlers import Registry
 from dispatcher.policy import RetryPolicy
-from dispatcher.producer import Producer, backend_pid, db_retry
+from dispatcher.producer import FULL_SCAN_EVERY, Producer, backend_pid, db_retry
 from outbox._idempotency import Clock, database_clock
 from outbox.sql import dispatch as sql
 from outbox.sql.dispatch import Claimed, Outcome
@@ -85,7 +85,12 @@ class Dispatcher:
         policy: RetryPolicy | None = None,
         clock: Clock = database_clock,
         max_batch: int = 100,
+        full_scan_every: float = FULL_SCAN_EVERY,
     ) -> None:
+        """`full_scan_every`: under a saturated backlog, claim without the producer's
+        watermark at least this often (seconds; default FULL_SCAN_EVERY, 2 s): the
+        bound on how long a row that commits behind the watermark waits (0: no
+        watermark, every claim scans from the head). See dispatcher/producer.py."""
         if concurrency < 1 or lease <= 0:
             raise ValueError("concurrency must be >= 1 and lease > 0")
         self.engine = engine
@@ -100,7 +105,7 @@ class Dispatcher:
         self.stats = Stats()
         self.wake = threading.Event()  # a doorbell: NOTIFY, a freed slot, a written outcome
         self.producer = Producer(engine, queue=queue, worker_id=self.worker_id,
-                                 lease=lease, clock=clock)
+                                 lease=lease, clock=clock, full_scan_every=full_scan_every)
         self.executor = Executor(registry, self.policy, clock, lease, queue)
         self.completer = Completer(engine, worker_id=self.worker_id, clock=clock,
                                    stats=self.stats, target=min(concurrency, max_batch))

@@ -419,7 +419,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
     register_queue_gauges(engine)
     dispatcher = Dispatcher(engine, registry, queue=args.queue, concurrency=args.concurrency,
-                            lease=args.lease)
+                            lease=args.lease, full_scan_every=args.full_scan_every)
     run_worker(dispatcher, poll_interval=args.poll, grace=args.grace,
                application_name=args.name or "outbox-worker")
     return 0
@@ -503,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--lease", type=float, default=30.0, help="lease seconds (30)")
     w.add_argument("--poll", type=float, default=1.0, help="poll interval seconds (1)")
     w.add_argument("--grace", type=float, default=10.0, help="shutdown grace seconds (10)")
+    w.add_argument("--full-scan-every", type=float, default=2.0, metavar="SECONDS",
+                   help="under a full backlog, claim from the head of the queue (not the "
+                        "watermark) at least this often (2); 0: always")
     w.add_argument("--handlers", default=None,
                    help="module:registry (default $OUTBOX_HANDLERS or the payments example)")
     w.add_argument("--name", default=None, help="application_name for pg_stat_activity")

@@ -3,6 +3,26 @@
 A claim is one autocommitted statement (no BEGIN or COMMIT round trip). The rescue
 of expired leases rides along only when it can matter (the last claim came up short,
 or a second passed): issue 17, off the hot path.
+
+The fresh scan resumes from a watermark (issue 17): the `(available_at, id)` of the
+last pending row this producer claimed, so that a claim does not step, from the head
+of the pending index, over the entries of every row claimed since the xmin horizon
+(dead, and not removable while some transaction holds the horizon back). Rows can
+appear behind the watermark (an enqueue commits after later rows were claimed, a row
+another claim held locked is released, an ordering key's successor is unblocked), so
+the producer claims without a watermark (a full scan, from the head):
+
+* whenever its last claim came up short: it has caught up, and the next claim looks
+  at the whole queue (cheap when the queue is short);
+* at least every `full_scan_every` seconds (FULL_SCAN_EVERY, 2 s, by default) under a
+  saturated backlog, where every claim is full. When full scans themselves get slow
+  (a long-held horizon) the period stretches so that they take at most
+  FULL_SCAN_SHARE of the time: a row behind the watermark waits at most the longer
+  of `full_scan_every` and 1/FULL_SCAN_SHARE times one full scan.
+
+`full_scan_every=0` turns the watermark off (every claim a full scan: the claim before
+issue 17); `math.inf` leaves only the catch-up full scans (a negative control in the
+tests, not a setting for production).
 """
 
 from __future__ import annotations
@@ -20,7 +40,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_expo
 
 from outbox._idempotency import Clock
 from outbox.sql import dispatch as sql
-from outbox.sql.dispatch import Claimed
+from outbox.sql.dispatch import ClaimBatch, Claimed, Watermark
 
 log = logging.getLogger("outbox.dispatcher")
 
@@ -37,6 +57,10 @@ db_retry = retry(
 # Under a saturated backlog (every claim full), expired leases are looked for at least
 # this often (seconds); otherwise on every claim that came up short.
 RESCUE_EVERY = 1.0
+# Under a saturated backlog, a claim without the watermark (a full scan) at least this
+# often (seconds), and full scans at most this share of the time (see the docstring).
+FULL_SCAN_EVERY = 2.0
+FULL_SCAN_SHARE = 0.05
 
 
 def backend_pid(conn: Any) -> int | None:
@@ -77,17 +101,28 @@ class HeldConnection:
 
 
 class Producer:
-    """Claims due effects of one queue for one worker."""
+    """Claims due effects of one queue for one worker, resuming from a watermark.
+
+    `full_scan_every`: seconds between claims without the watermark under a saturated
+    backlog (FULL_SCAN_EVERY); 0 disables the watermark. See the module docstring.
+    """
 
     def __init__(self, engine: Engine, *, queue: str, worker_id: str, lease: float,
-                 clock: Clock) -> None:
+                 clock: Clock, full_scan_every: float = FULL_SCAN_EVERY) -> None:
+        if not full_scan_every >= 0:  # NaN too
+            raise ValueError("full_scan_every must be >= 0")
         self.conn = HeldConnection(engine)
         self.queue = queue
         self.worker_id = worker_id
         self.lease = lease
         self.clock = clock
+        self.full_scan_every = full_scan_every
         self._short = True  # the last claim took fewer rows than it asked for
         self._last_rescue = 0.0
+        # Where the next fresh scan resumes (None: from the head: a full scan), and
+        # when (time.monotonic()) a full scan is due even under a saturated backlog.
+        self.watermark: Watermark | None = None
+        self._next_full_scan = 0.0
 
     def claim(self, limit: int) -> list[Claimed]:
         """Claim with one lease token for this call and every retry of it.
@@ -105,18 +140,32 @@ class Producer:
         rescue = self._short or now - self._last_rescue >= RESCUE_EVERY
         if rescue:
             self._last_rescue = now
+        full = (self.watermark is None or self.full_scan_every <= 0
+                or now >= self._next_full_scan)
+        after = None if full else self.watermark
 
         @db_retry
-        def attempt() -> list[Claimed]:
+        def attempt() -> ClaimBatch:
             tries[0] += 1
-            return self._claim_try(limit, token, pids, retry=tries[0] > 1, rescue=rescue)
+            return self._claim_try(limit, token, pids, retry=tries[0] > 1, rescue=rescue,
+                                   after=after)
 
-        rows = attempt()
+        batch = attempt()
+        rows = batch.rows
         self._short = len(rows) < limit
+        if full:
+            took = time.monotonic() - now if tries[0] == 1 else 0.0
+            self._next_full_scan = now + max(self.full_scan_every, took / FULL_SCAN_SHARE)
+        if self._short or self.full_scan_every <= 0:
+            self.watermark = None  # caught up: the next claim scans the whole queue
+        elif batch.watermark is not None:
+            self.watermark = batch.watermark
+        # else a full batch of rescued rows (or rows taken back after a lost reply):
+        # the watermark stays (any watermark is safe: the full scans cover behind it).
         return rows
 
     def _claim_try(self, limit: int, token: uuid.UUID, pids: list[int], *,
-                   retry: bool, rescue: bool) -> list[Claimed]:
+                   retry: bool, rescue: bool, after: Watermark | None) -> ClaimBatch:
         """One try of `claim`: on the normal path the claim alone (one round trip)."""
         with self.conn() as conn:
             if retry:
@@ -125,13 +174,14 @@ class Producer:
                 if mine:
                     log.warning("claim retried after a lost reply: took back %d rows "
                                 "already claimed by the first try", len(mine))
-                    return mine
+                    return ClaimBatch(mine, None)
             pid = backend_pid(conn)
             if pid is not None:
                 pids.append(pid)
-            return sql.claim_due(conn, queue=self.queue, limit=limit, owner=self.worker_id,
-                                 lease_seconds=self.lease, now=self.clock(), token=token,
-                                 rescue=rescue)
+            return sql.claim_batch(conn, queue=self.queue, limit=limit,
+                                   owner=self.worker_id, lease_seconds=self.lease,
+                                   now=self.clock(), token=token, rescue=rescue,
+                                   after=after)
 
     def _await_backends(self, conn: Any, pids: list[int]) -> None:
         """Wait until the earlier tries' backends run nothing: a claim whose client

@@ -201,7 +201,7 @@ def test_f17_claim_plan_materializes_ctes_and_uses_the_pending_index(
     over the partial pending index that stops at LIMIT, however large the backlog."""
     _backlog(engine, pending=20_000, delivered=20_000)
     params = {"queue": "default", "limit": 10, "owner": "x", "lease": 30.0, "now": None,
-              "token": uuid.uuid4(), "rescue": True}
+              "token": uuid.uuid4(), "rescue": True, "after_at": None, "after_id": None}
 
     def explain(conn: Any, how: str) -> list[Any]:  # the statement is psycopg-style
         raw = conn.connection.driver_connection

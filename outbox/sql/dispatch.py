@@ -66,8 +66,19 @@ class Claimed:
 # in-flight entry since the xmin horizon and finds nothing almost always; the
 # dispatcher asks for it when its last claim came up short (the queue is not
 # saturated) and at least once a second under a saturated backlog.
+# The fresh scan resumes after the caller's watermark (issue 17): the row comparison
+# `(available_at, id) > (:after_at, :after_id)` is an Index Cond on effects_pending_idx
+# (queue, available_at, id), so the scan starts at the watermark instead of stepping,
+# from the head of the index, over the entries of every row claimed since the xmin
+# horizon (dead, and unremovable while a transaction holds the horizon back). No
+# watermark (both NULL) is the full scan, from the head: `-infinity` and the smallest
+# bigint are below every row. Rows can appear behind a watermark (a late commit, a
+# released lock, a blocked ordering-key successor): the caller's periodic full scan
+# finds them (dispatcher/producer.py, docs/architecture.md).
 # Every row of one claim gets the caller's `:token`: a retry of a claim whose reply was
 # lost finds its rows by it (`claimed_with`). Fencing stays per (id, token).
+# The claim returns two columns after `_CLAIMED_COLUMNS`: the row's available_at and
+# whether the fresh scan took it; `claim_batch` makes the next watermark of them.
 _CLAIM = _sql(
     f"""
     WITH rescue AS MATERIALIZED (
@@ -84,6 +95,9 @@ _CLAIM = _sql(
         SELECT id FROM outbox.effects e
          WHERE status = 'pending' AND queue = :queue
            AND available_at <= {_NOW}
+           AND (available_at, id) > (
+                coalesce(CAST(:after_at AS timestamptz), '-infinity'),
+                coalesce(CAST(:after_id AS bigint), -9223372036854775808))
            AND (ordering_key IS NULL OR NOT EXISTS (
                 SELECT 1 FROM outbox.effects h
                  WHERE h.ordering_key = e.ordering_key AND h.id < e.id
@@ -92,7 +106,9 @@ _CLAIM = _sql(
          LIMIT :limit
          FOR UPDATE SKIP LOCKED
     ), picked AS MATERIALIZED (
-        SELECT id FROM rescue UNION ALL SELECT id FROM fresh LIMIT :limit
+        SELECT id, false AS fresh FROM rescue
+        UNION ALL SELECT id, true FROM fresh
+        LIMIT :limit
     )
     UPDATE outbox.effects e
        SET status = 'in_flight',
@@ -102,25 +118,71 @@ _CLAIM = _sql(
            attempts = e.attempts + 1
       FROM picked
      WHERE e.id = picked.id
-    RETURNING {_CLAIMED_COLUMNS}
+    RETURNING {_CLAIMED_COLUMNS}, e.available_at, picked.fresh
     """
 )
 
 
-def claim_due(conn: Any, *, queue: str, limit: int, owner: str,
-              lease_seconds: float, now: datetime | None = None,
-              token: uuid.UUID | None = None, rescue: bool = True) -> list[Claimed]:
+@dataclass(frozen=True, slots=True, order=True)
+class Watermark:
+    """Where a worker's next fresh scan resumes: just after this pending row.
+
+    Ordered as the claim orders rows, `(available_at, id)`.
+    """
+
+    available_at: datetime
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimBatch:
+    """One claim's rows, and the watermark after the last row its fresh scan took.
+
+    `watermark` is None when the fresh scan took nothing (every row was a rescue, or
+    there were none).
+    """
+
+    rows: list[Claimed]
+    watermark: Watermark | None
+
+
+def claim_batch(conn: Any, *, queue: str, limit: int, owner: str, lease_seconds: float,
+                now: datetime | None = None, token: uuid.UUID | None = None,
+                rescue: bool = True, after: Watermark | None = None) -> ClaimBatch:
     """Claim at most `limit` due effects for `owner`; commit before delivering them.
 
     `token` becomes every claimed row's lease token (a fresh one if None). A caller
     that may retry the claim passes the same token to each try and to `claimed_with`.
-    `rescue=False` skips expired leases (see `_CLAIM`).
+    `rescue=False` skips expired leases (see `_CLAIM`). `after`: the fresh scan takes
+    only pending rows past this watermark (None: from the head of the queue). A
+    caller passing one must also claim without one now and then: rows can commit, or
+    be unlocked, behind it.
     """
     if limit <= 0:
-        return []
+        return ClaimBatch([], None)
     params = {"queue": queue, "limit": limit, "owner": owner, "lease": float(lease_seconds),
-              "now": now, "token": token or uuid.uuid4(), "rescue": rescue}
-    return [Claimed(*r) for r in sync_db(conn).execute(_CLAIM, params).rows]
+              "now": now, "token": token or uuid.uuid4(), "rescue": rescue,
+              "after_at": after.available_at if after else None,
+              "after_id": after.id if after else None}
+    rows: list[Claimed] = []
+    mark: Watermark | None = None
+    for r in sync_db(conn).execute(_CLAIM, params).rows:
+        rows.append(Claimed(*r[:-2]))
+        if r[-1]:
+            here = Watermark(r[-2], r[0])
+            if mark is None or here > mark:
+                mark = here
+    return ClaimBatch(rows, mark)
+
+
+def claim_due(conn: Any, *, queue: str, limit: int, owner: str,
+              lease_seconds: float, now: datetime | None = None,
+              token: uuid.UUID | None = None, rescue: bool = True,
+              after: Watermark | None = None) -> list[Claimed]:
+    """`claim_batch`'s rows: at most `limit` due effects claimed for `owner`."""
+    return claim_batch(conn, queue=queue, limit=limit, owner=owner,
+                       lease_seconds=lease_seconds, now=now, token=token, rescue=rescue,
+                       after=after).rows
 
 
 # A retried claim's first step: the rows an earlier try of the same claim took, if its
