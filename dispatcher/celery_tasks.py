@@ -43,6 +43,7 @@ from outbox._enqueue import add_doorbell
 from outbox.retention import scheduled_retention
 from outbox.sql import dispatch as sql
 from outbox.telemetry_setup import configure as configure_traces
+from outbox.telemetry_setup import instrument_library
 
 log = logging.getLogger("outbox.celery")
 
@@ -90,7 +91,10 @@ def setup_telemetry() -> None:
         if _telemetry_pid == os.getpid():
             return
         _telemetry_pid = os.getpid()
-    configure_traces(SERVICE_NAME)
+    if configure_traces(SERVICE_NAME):
+        # Our exporter is on in this child: the task spans of Celery's maintained
+        # instrumentation (run/apply_async), beside our deliver spans.
+        instrument_library("celery")
     configure_metrics(SERVICE_NAME)
 
 

@@ -106,7 +106,7 @@ class Completer:
             if got == AttemptOutcome.LEASE_LOST:
                 log.warning("effect %s: lease lost before its outcome was recorded "
                             "(fenced)", o.effect_id)
-            deliveries.add(1, {"outcome": got})
+            deliveries.add(1, {"kind": o.kind, "queue": o.queue, "outcome": got})
         return recorded
 
     @db_retry

@@ -24,13 +24,23 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from opentelemetry import propagate, trace
+from opentelemetry.trace import Status, StatusCode
 
 from dispatcher.handlers import EffectContext, Registry
 from dispatcher.policy import RetryPolicy
 from outbox._idempotency import Clock
 from outbox._redact import exception_attributes, redact_secrets
 from outbox._schema import AttemptOutcome, EffectStatus
-from outbox._telemetry import delivery_duration, delivery_lag, tracer
+from outbox._telemetry import (
+    DELIVER,
+    delivery_duration,
+    delivery_lag,
+    error_type,
+    messaging_attributes,
+    process_duration,
+    span_name,
+    tracer,
+)
 from outbox.errors import AmbiguousOutcome, DeliveryError, TransientFailure
 from outbox.sql.dispatch import Claimed, Outcome
 
@@ -175,10 +185,18 @@ class Executor:
         headers = row.headers if isinstance(row.headers, dict) else {}
         parent = propagate.extract(headers) if headers else None
         registration = self.registry.get(row.kind)
+        labels = {"kind": row.kind, "queue": row.queue}
+        attributes: dict[str, str | int] = {
+            **messaging_attributes("process", DELIVER, row.queue),
+            "messaging.message.id": str(row.id),
+            "outbox.effect_id": row.id, "outbox.effect_key": row.effect_key,
+            "outbox.attempt": row.attempts, "outbox.kind": row.kind}
+        # Parented to the enqueue span through the row's traceparent (the conventions
+        # allow the creation context as parent when one message is processed). The
+        # span's status is ours to set: a failed attempt is an ERROR with error.type.
         with tracer.start_as_current_span(
-            f"outbox.deliver {row.kind}", context=parent, kind=trace.SpanKind.CONSUMER,
-            attributes={"outbox.effect_id": row.id, "outbox.effect_key": row.effect_key,
-                        "outbox.attempt": row.attempts, "outbox.kind": row.kind},
+            span_name(DELIVER, row.queue), context=parent, kind=trace.SpanKind.CONSUMER,
+            attributes=attributes,
         ) as span:
             trace_id = format(span.get_span_context().trace_id, "032x")
             effect = EffectContext(
@@ -211,8 +229,12 @@ class Executor:
                 if http_status is not None:
                     span.set_attribute("http.response.status_code", http_status)
                 span.record_exception(exc, attributes=exception_attributes(exc))
-                delivery_duration.record(duration, {"kind": row.kind,
-                                                    "outcome": decision.outcome})
+                failure = error_type(exc)
+                span.set_attribute("error.type", failure)
+                span.set_status(Status(StatusCode.ERROR, f"{decision.outcome}: {failure}"))
+                delivery_duration.record(duration, {**labels, "outcome": decision.outcome})
+                process_duration.record(duration, {**messaging_attributes(
+                    "process", DELIVER, row.queue), "error.type": failure})
                 return Outcome(
                     effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
                     outcome=AttemptOutcome(decision.outcome),
@@ -220,19 +242,22 @@ class Executor:
                     started_at=started_at, delay=decision.delay,
                     error=_db_text(redact_secrets(f"{type(exc).__name__}: {exc}")[:2000]),
                     result=_jsonb_text(detail) if detail is not None else None,
-                    http_status=http_status, trace_id=trace_id)
+                    http_status=http_status, trace_id=trace_id, kind=row.kind,
+                    queue=row.queue)
             duration = time.perf_counter() - t0
             span.set_attribute("outbox.outcome", "delivered")
-            delivery_duration.record(duration, {"kind": row.kind, "outcome": "delivered"})
+            delivery_duration.record(duration, {**labels, "outcome": "delivered"})
+            process_duration.record(duration, messaging_attributes("process", DELIVER,
+                                                                   row.queue))
             delivery_lag.record(
-                max(0.0, (datetime.now(UTC) - row.created_at).total_seconds()),
-                {"kind": row.kind})
+                max(0.0, (datetime.now(UTC) - row.created_at).total_seconds()), labels)
             status = result.get("status") if isinstance(result, dict) else None
             return Outcome(
                 effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
                 outcome=_DELIVERED, next_status=_ST_DELIVERED, started_at=started_at,
                 result=_jsonb_text(result) if result is not None else None,
-                http_status=_http_status(status), trace_id=trace_id)
+                http_status=_http_status(status), trace_id=trace_id, kind=row.kind,
+                queue=row.queue)
 
     def crashed(self, row: Claimed, exc: BaseException) -> Outcome:
         """The outcome when `execute` itself failed (a bug in a policy, say): retried
@@ -244,11 +269,12 @@ class Executor:
             return Outcome(
                 effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
                 outcome=AttemptOutcome.FAILED, next_status=EffectStatus.FAILED,
-                started_at=datetime.now(UTC), error=error)
+                started_at=datetime.now(UTC), error=error, kind=row.kind, queue=row.queue)
         return Outcome(
             effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
             outcome=AttemptOutcome.RETRY, next_status=EffectStatus.PENDING,
-            started_at=datetime.now(UTC), delay=min(60.0, 2.0 ** row.attempts), error=error)
+            started_at=datetime.now(UTC), delay=min(60.0, 2.0 ** row.attempts), error=error,
+            kind=row.kind, queue=row.queue)
 
     def released(self, row: Claimed, started_monotonic: float) -> Outcome:
         """The outcome of a delivery abandoned at shutdown: due again at once.
@@ -276,7 +302,7 @@ class Executor:
         return Outcome(
             effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
             outcome=outcome, next_status=next_status, started_at=started, delay=0.0,
-            error=error)
+            error=error, kind=row.kind, queue=row.queue)
 
     # -- async handlers ----------------------------------------------------------------
 

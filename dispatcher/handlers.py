@@ -168,6 +168,24 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         self._inner.sleep(seconds)
 
 
+def instrument_client(client: httpx.Client) -> bool:
+    """Give `client` the maintained httpx instrumentation when it is installed
+    (`pg-outbox[otel]`): a CLIENT span per request by the HTTP conventions, and the
+    traceparent of that span in the request. True when requests through `client` are
+    traced that way (httpx instrumented globally counts); False: the caller injects
+    the traceparent itself.
+    """
+    try:
+        from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+    except ImportError:
+        return False
+    if HTTPXClientInstrumentor().is_instrumented_by_opentelemetry:
+        return True  # HTTPXClientInstrumentor().instrument(): every transport is wrapped
+    if not getattr(client, "_is_instrumented_by_opentelemetry", False):
+        HTTPXClientInstrumentor.instrument_client(client)
+    return True
+
+
 def install_deadlines(client: httpx.Client) -> bool:
     """Make `client`'s connections honour the attempt deadline `HttpHandler` sets.
 
@@ -240,6 +258,10 @@ class HttpHandler:
         self.client = client or httpx.Client(
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
         install_deadlines(self.client)
+        # Our own client gets the httpx instrumentation; a client the caller passes is
+        # theirs to instrument (we only notice whether it is).
+        self._traced = (instrument_client(self.client) if client is None else
+                        getattr(self.client, "_is_instrumented_by_opentelemetry", False))
 
     def __repr__(self) -> str:
         return f"HttpHandler({self._shown_url!r}, timeout={self.timeout:g})"
@@ -253,7 +275,8 @@ class HttpHandler:
         headers["Idempotency-Key"] = effect.key
         headers["X-Outbox-Attempt"] = str(effect.attempt)
         headers["Accept-Encoding"] = "identity"  # a prefix of the raw bytes is readable
-        propagate.inject(headers)  # traceparent of the current deliver span
+        if not self._traced:  # else the instrumentation's CLIENT span injects its own
+            propagate.inject(headers)  # traceparent of the current deliver span
         deadline = min(effect.deadline, time.monotonic() + self.timeout)
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -44,7 +44,6 @@ from opentelemetry.sdk.metrics.export import (
     MetricExporter,
     PeriodicExportingMetricReader,
 )
-from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -64,16 +63,10 @@ GAUGE_STATUSES = ("pending", "in_flight", "failed", "needs_review")
 DEFAULT_TTL = float(os.environ.get("OUTBOX_METRICS_CACHE_SECONDS", "5"))
 #: A `processing` idempotency claim older than this is stale (the guard's default TTL).
 
-#: Seconds, not the SDK's millisecond-shaped default buckets, so p50/p99 mean something.
-DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                    60.0)
-LAG_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
-               3600.0, 21600.0, 86400.0)
-#: Inbox writes take a millisecond or two alone and tens to hundreds under a hot key
-#: (docs/benchmarks.md): finer at the bottom than DURATION_BUCKETS, so p50/p95/p99 of a
-#: quiet source do not all land in the first bucket.
-WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                 10.0, 30.0)
+# Boundaries live with the instruments (advisory, so any MeterProvider uses them).
+DURATION_BUCKETS = _telemetry.DURATION_BUCKETS
+LAG_BUCKETS = _telemetry.LAG_BUCKETS
+WRITE_BUCKETS = _telemetry.WRITE_BUCKETS
 #: The tables lock waits are reported for (a bounded `table` label).
 LOCK_TABLES = tuple(sorted(t.name for t in metadata.tables.values()))
 
@@ -408,18 +401,6 @@ def instrument_pool(engine: Engine, *, meter_provider: MeterProvider | None = No
         return True
 
 
-def histogram_views() -> list[View]:
-    """Second-scale buckets for our duration and lag histograms."""
-    return [
-        View(instrument_name="outbox.delivery.duration",
-             aggregation=ExplicitBucketHistogramAggregation(DURATION_BUCKETS)),
-        View(instrument_name="outbox.delivery.lag",
-             aggregation=ExplicitBucketHistogramAggregation(LAG_BUCKETS)),
-        View(instrument_name="outbox.inbox.write.duration",
-             aggregation=ExplicitBucketHistogramAggregation(WRITE_BUCKETS)),
-    ]
-
-
 def configure_metrics(service_name: str) -> bool:
     """Install a MeterProvider per `OTEL_METRICS_EXPORTER` (otlp|console|none).
 
@@ -456,7 +437,6 @@ def configure_metrics(service_name: str) -> bool:
         attributes["service.instance.id"] = f"{socket.gethostname()}:{os.getpid()}"
     resource = Resource.create(attributes)
     provider = SdkMeterProvider(resource=resource,
-                                metric_readers=[PeriodicExportingMetricReader(exporter)],
-                                views=histogram_views())
+                                metric_readers=[PeriodicExportingMetricReader(exporter)])
     metrics.set_meter_provider(provider)
     return True

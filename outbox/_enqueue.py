@@ -12,6 +12,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable, Generator, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,13 @@ from outbox._canonical import MAX_KEY_LENGTH, _check_strings, parse_idempotency_
 from outbox._config import NOTIFY_CHANNEL
 from outbox._driver import Query, adrive, drive
 from outbox._idempotency import Claim, Clock, Connectable, database_clock
-from outbox._telemetry import effects_enqueued, tracer
+from outbox._telemetry import (
+    ENQUEUE,
+    effects_enqueued,
+    messaging_attributes,
+    span_name,
+    tracer,
+)
 from outbox.errors import EffectKeyConflict, InvalidIdempotencyKey, InvalidInput
 from outbox.sql import effects as sql
 
@@ -269,7 +276,7 @@ def _insert(batch: Sequence[Effect], keys: list[str], unique: dict[str, dict[str
         seen.add(key)
         found = inserted.get(key) or existing[key][0]
         results.append(Enqueued(found, key, fresh))
-        effects_enqueued.add(1, {"kind": effect.kind,
+        effects_enqueued.add(1, {"kind": effect.kind, "queue": effect.queue,
                                  "result": "inserted" if fresh else "duplicate"})
     return results
 
@@ -284,6 +291,24 @@ def _carrier() -> str:
     carrier: dict[str, str] = {}
     _TRACE_CONTEXT.inject(carrier)
     return json.dumps({k: v for k, v in carrier.items() if k in ("traceparent", "tracestate")})
+
+
+def _create_span(batch: Sequence[Effect]) -> AbstractContextManager[trace.Span]:
+    """The PRODUCER span of one enqueue call (messaging `create`: the rows are sent
+    later, by a dispatcher): `enqueue <queue>`, or `enqueue` across several queues."""
+    queues = {e.queue for e in batch}
+    queue = next(iter(queues)) if len(queues) == 1 else None
+    attributes: dict[str, str | int] = {**messaging_attributes("create", ENQUEUE, queue),
+                                        "outbox.effects": len(batch)}
+    if len(batch) > 1:
+        attributes["messaging.batch.message_count"] = len(batch)
+    return tracer.start_as_current_span(span_name(ENQUEUE, queue),
+                                        kind=trace.SpanKind.PRODUCER, attributes=attributes)
+
+
+def _created(span: trace.Span, results: Sequence[Enqueued]) -> None:
+    if len(results) == 1:
+        span.set_attribute("messaging.message.id", str(results[0].id))
 
 
 def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
@@ -302,11 +327,11 @@ def enqueue_many(target: Connectable, effects: Iterable[Effect], *,
     batch: Sequence[Effect] = list(effects)
     if not batch:
         return []
-    with tracer.start_as_current_span("outbox.enqueue", kind=trace.SpanKind.PRODUCER) as span:
+    with _create_span(batch) as span:
         keys, unique = _rows_for(batch, claim, _carrier())
         results: list[Enqueued] = drive(target, _insert(batch, keys, unique, clock))
         _ring_after_commit(target, {e.queue for e in batch})
-        span.set_attribute("outbox.effects", len(batch))
+        _created(span, results)
         return results
 
 
@@ -318,11 +343,11 @@ async def aenqueue_many(target: Connectable, effects: Iterable[Effect], *,
     batch: Sequence[Effect] = list(effects)
     if not batch:
         return []
-    with tracer.start_as_current_span("outbox.enqueue", kind=trace.SpanKind.PRODUCER) as span:
+    with _create_span(batch) as span:
         keys, unique = _rows_for(batch, claim, _carrier())
         results: list[Enqueued] = await adrive(target, _insert(batch, keys, unique, clock))
         _ring_after_commit(target, {e.queue for e in batch})
-        span.set_attribute("outbox.effects", len(batch))
+        _created(span, results)
         return results
 
 

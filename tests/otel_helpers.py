@@ -59,11 +59,10 @@ def metric_reader() -> InMemoryMetricReader:
                 _reader_error = ("a MeterProvider was installed before tests/otel_helpers "
                                  "could add its reader")
             else:
-                from dispatcher.metrics import histogram_views
-
+                # No Views: our histograms' boundaries are advisory (outbox._telemetry),
+                # and a provider like an application's own must pick them up.
                 reader = InMemoryMetricReader()
-                metrics.set_meter_provider(
-                    MeterProvider(metric_readers=[reader], views=histogram_views()))
+                metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
                 _reader = reader
         if _reader is None:
             pytest.skip(_reader_error or "no metric reader")

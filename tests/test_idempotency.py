@@ -1032,7 +1032,7 @@ def test_enqueue_captures_the_active_trace(engine: Engine,
         headers = conn.execute(text("SELECT headers FROM outbox.effects")).scalars().all()
     assert len(headers) == 2
     produced = [s for s in spans.get_finished_spans()
-                if s.name == "outbox.enqueue" and s.context.trace_id == request.trace_id]
+                if s.name.startswith("enqueue") and s.context.trace_id == request.trace_id]
     assert len(produced) == 1
     enqueue_span = produced[0]
     assert enqueue_span.kind == trace.SpanKind.PRODUCER

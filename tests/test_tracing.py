@@ -1,9 +1,11 @@
 """Observability proof: one trace from the business request to the receiver, and the
 metrics operators alert on (DESIGN.md §7).
 
-request span -> `outbox.enqueue` (PRODUCER) -> traceparent in effects.headers ->
-`outbox.deliver <kind>` (CONSUMER, one per attempt, parent = the enqueue span) -> the
-HTTP request to the receiver carries a traceparent of that trace -> attempts.trace_id.
+request span (SERVER) -> `enqueue <queue>` (PRODUCER, messaging `create`) ->
+traceparent in effects.headers -> `deliver <queue>` (CONSUMER, messaging `process`, one
+per attempt, parent = the enqueue span; ERROR with error.type when the attempt failed)
+-> `POST` (CLIENT, the httpx instrumentation) -> the receiver's `POST` (SERVER) ->
+attempts.trace_id. Spans follow the OpenTelemetry messaging and HTTP conventions.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import SpanKind
-from sqlalchemy import Engine, create_engine
+from opentelemetry.trace import SpanKind, StatusCode
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
 import outbox._enqueue
@@ -33,6 +36,7 @@ from dispatcher import Dispatcher, EffectContext, HttpHandler, Registry
 from dispatcher.examples.payments.psp import Receiver
 from dispatcher.metrics import QueueGauges, register_queue_gauges
 from outbox import enqueue
+from outbox._telemetry import DURATION_BUCKETS, LAG_BUCKETS
 from outbox.errors import AmbiguousOutcome, PermanentFailure
 from outbox.sql import dispatch as dsql
 from outbox.sql import effects as fx
@@ -66,8 +70,9 @@ def _hex_span(span: ReadableSpan) -> str:
     return format(span.context.span_id, "016x")
 
 
-def _drain(engine: Engine, registry: Registry, budget: float = 5.0) -> Dispatcher:
-    d = Dispatcher(engine, registry, queue=QUEUE, concurrency=4, lease=10.0,
+def _drain(engine: Engine, registry: Registry, budget: float = 5.0,
+           queue: str = QUEUE) -> Dispatcher:
+    d = Dispatcher(engine, registry, queue=queue, concurrency=4, lease=10.0,
                    worker_id=f"test-{uuid.uuid4().hex[:6]}")
     try:
         d.drain(budget)
@@ -101,8 +106,12 @@ def test_trace_runs_from_request_to_receiver_and_attempt_row(engine: Engine) -> 
         deliveries = psp.ledger(enq.effect_key)["deliveries"]
 
     # 1. The enqueue span is a PRODUCER child of the request span.
-    (enq_span,) = _spans("outbox.enqueue")
+    (enq_span,) = _spans(f"enqueue {QUEUE}")
     assert enq_span.kind is SpanKind.PRODUCER
+    assert dict(enq_span.attributes or {}) == {
+        "messaging.system": "pg_outbox", "messaging.operation.type": "create",
+        "messaging.operation.name": "enqueue", "messaging.destination.name": QUEUE,
+        "messaging.message.id": str(enq.id), "outbox.effects": 1}
     assert _hex_trace(enq_span) == request_trace
     assert enq_span.parent is not None
     assert format(enq_span.parent.span_id, "016x") == request_span
@@ -117,8 +126,9 @@ def test_trace_runs_from_request_to_receiver_and_attempt_row(engine: Engine) -> 
     assert (version, tp_trace, tp_parent) == ("00", request_trace, _hex_span(enq_span))
 
     # 3. The deliver span continues that trace as a CONSUMER child of the enqueue span.
-    (deliver,) = _spans("outbox.deliver psp.charge")
+    (deliver,) = _spans(f"deliver {QUEUE}")
     assert deliver.kind is SpanKind.CONSUMER
+    assert deliver.status.status_code is StatusCode.UNSET
     assert _hex_trace(deliver) == request_trace
     assert deliver.parent is not None and deliver.parent.span_id == enq_span.context.span_id
     attrs = dict(deliver.attributes or {})
@@ -126,19 +136,22 @@ def test_trace_runs_from_request_to_receiver_and_attempt_row(engine: Engine) -> 
     assert attrs["outbox.effect_key"] == enq.effect_key
     assert attrs["outbox.attempt"] == 1
     assert attrs["outbox.outcome"] == "delivered"
+    assert {k: v for k, v in attrs.items() if k.startswith("messaging.")} == {
+        "messaging.system": "pg_outbox", "messaging.operation.type": "process",
+        "messaging.operation.name": "deliver", "messaging.destination.name": QUEUE,
+        "messaging.message.id": str(enq.id)}
 
-    # 4. The receiver saw a traceparent of the same trace, whose parent is the deliver
-    #    span (or a client span under it, should httpx instrumentation be installed).
+    # 4. The receiver saw a traceparent of the same trace, whose parent is the CLIENT
+    #    span the httpx instrumentation made under the deliver span.
     assert len(deliveries) == 1
     sent = deliveries[0]["traceparent"]
     assert sent is not None
     _, sent_trace, sent_parent, _ = sent.split("-")
     assert sent_trace == request_trace
     ours = {_hex_span(s): s for s in span_exporter().get_finished_spans()}
-    hop = ours.get(sent_parent)
-    assert sent_parent == _hex_span(deliver) or (
-        hop is not None and hop.parent is not None
-        and hop.parent.span_id == deliver.context.span_id)
+    client = ours[sent_parent]
+    assert client.kind is SpanKind.CLIENT and client.name == "POST"
+    assert client.parent is not None and client.parent.span_id == deliver.context.span_id
 
     # 5. The attempt row records the trace id, so `outbox trace ID` leads to the trace.
     assert [(a.attempt, a.outcome, a.trace_id) for a in attempts] == [
@@ -159,27 +172,104 @@ def test_every_attempt_is_its_own_span_in_the_same_trace(engine: Engine) -> None
         _drain(engine, registry)
         deliveries = psp.ledger(enq.effect_key)["deliveries"]
 
-    (enq_span,) = _spans("outbox.enqueue")
-    spans = sorted(_spans("outbox.deliver psp.charge"),
+    (enq_span,) = _spans(f"enqueue {QUEUE}")
+    spans = sorted(_spans(f"deliver {QUEUE}"),
                    key=lambda s: (s.attributes or {})["outbox.attempt"])
     assert [(s.attributes or {})["outbox.outcome"] for s in spans] == ["retry", "delivered"]
     assert spans[0].attributes is not None
     assert spans[0].attributes["http.response.status_code"] == 503
+    # The failed attempt is an ERROR, typed; the delivered one is not.
+    assert spans[0].status.status_code is StatusCode.ERROR
+    assert spans[0].attributes["error.type"] == "outbox.errors.RetryAfter"
+    assert spans[1].status.status_code is StatusCode.UNSET
+    assert "error.type" not in (spans[1].attributes or {})
     trace_id = _hex_trace(enq_span)
     for s in spans:
         assert _hex_trace(s) == trace_id
         assert s.parent is not None and s.parent.span_id == enq_span.context.span_id
     assert len({_hex_span(s) for s in spans}) == 2
 
-    # Each HTTP attempt names its own deliver span as parent.
+    # Each HTTP attempt's CLIENT span is a child of its own deliver span.
     assert [d["attempt"] for d in deliveries] == ["1", "2"]
     assert [d["traceparent"].split("-")[1] for d in deliveries] == [trace_id, trace_id]
-    assert [d["traceparent"].split("-")[2] for d in deliveries] == [
-        _hex_span(s) for s in spans]
+    ours = {_hex_span(s): s for s in span_exporter().get_finished_spans()}
+    clients = [ours[d["traceparent"].split("-")[2]] for d in deliveries]
+    assert [c.parent.span_id if c.parent else None for c in clients] == [
+        s.context.span_id for s in spans]
     with engine.connect() as conn:
         attempts = fx.attempts_of(conn, enq.id)
     assert [(a.outcome, a.trace_id) for a in attempts] == [
         ("retry", trace_id), ("delivered", trace_id)]
+
+
+def test_one_trace_from_the_api_request_to_the_receivers_request(engine: Engine) -> None:
+    """The example service, served by uvicorn: its FastAPI SERVER span is the root of
+    one trace that runs through `enqueue`, every `deliver` attempt (the failed one an
+    ERROR) and the httpx CLIENT span to the receiver's own SERVER span."""
+    from dispatcher.examples.payments.app import create_app
+    from dispatcher.examples.payments.auth import BearerTokens
+    from tests.test_http import serving
+
+    exporter = span_exporter()
+    exporter.clear()
+    app = create_app(engine, auth=BearerTokens({"tok": "alice"}))
+    with Receiver() as psp, serving(app) as base:
+        reply = httpx.post(f"{base}/payments", timeout=10,
+                           json={"amount": 1200, "currency": "EUR", "customer": "c-1"},
+                           headers={"Idempotency-Key": str(uuid.uuid4()),
+                                    "Authorization": "Bearer tok"})
+        assert reply.status_code == 201, reply.text
+        with engine.connect() as conn:
+            charge_key = conn.execute(text(
+                "SELECT effect_key FROM outbox.effects WHERE kind = 'psp.charge' "
+                "AND payload->>'payment_id' = :id"),
+                {"id": str(reply.json()["id"])}).scalar_one()
+        psp.set_mode("status", key=charge_key, status=503, retry_after="0", times=1)
+        registry = Registry()
+        registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=5.0))
+        registry.register("email.receipt", HttpHandler(f"{psp.url}/emails", timeout=5.0))
+        _drain(engine, registry, queue="default")
+        assert [d["status"] for d in psp.ledger(charge_key)["deliveries"]] == [503, 201]
+
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans if s.context is not None}
+
+    def ancestors(span: ReadableSpan) -> list[ReadableSpan]:
+        chain = []
+        while span.parent is not None and span.parent.span_id in by_id:
+            span = by_id[span.parent.span_id]
+            chain.append(span)
+        return chain
+
+    (server,) = [s for s in spans if s.kind is SpanKind.SERVER and s.name == "POST /payments"]
+    assert server.parent is None  # the root: nothing before the API request
+    assert (server.attributes or {}).get("http.route") == "/payments"
+    trace_id = server.context.trace_id
+    creates = [s for s in spans if s.name == "enqueue default"]
+    assert len(creates) == 2  # the charge and the receipt
+    for create in creates:
+        assert create.kind is SpanKind.PRODUCER and create.context.trace_id == trace_id
+        assert server in ancestors(create)
+    delivers = sorted((s for s in spans if s.name == "deliver default"
+                       and (s.attributes or {}).get("outbox.kind") == "psp.charge"),
+                      key=lambda s: (s.attributes or {})["outbox.attempt"])
+    assert [s.status.status_code for s in delivers] == [StatusCode.ERROR, StatusCode.UNSET]
+    for deliver in delivers:
+        assert deliver.context.trace_id == trace_id
+        assert deliver.parent is not None and by_id[deliver.parent.span_id] in creates
+        (client,) = [s for s in spans if s.kind is SpanKind.CLIENT and s.parent is not None
+                     and s.parent.span_id == deliver.context.span_id]
+        (received,) = [s for s in spans if s.kind is SpanKind.SERVER
+                       and s.parent is not None
+                       and s.parent.span_id == client.context.span_id]
+        assert received.context.trace_id == trace_id
+        assert ancestors(received)[:3] == [client, deliver,
+                                           by_id[deliver.parent.span_id]]
+        status = (received.attributes or {})["http.response.status_code"]
+        assert (client.attributes or {}).get("http.response.status_code",
+                                              (client.attributes or {}).get(
+                                                  "http.status_code")) == status
+    assert (delivers[0].attributes or {})["error.type"] == "outbox.errors.RetryAfter"
 
 
 # --------------------------------------------------------------------------- metrics
@@ -223,14 +313,25 @@ def test_deliveries_counter_by_outcome(engine: Engine) -> None:
     assert {k: v for k, v in delta.items() if v} == {"delivered": 2, "failed": 1,
                                                      "lease_lost": 1}
     # Delivery duration by kind/outcome, and lag only for delivered attempts.
+    # Recorded attempts carry kind and queue as well as the outcome.
+    labelled = metric_points(reader, "outbox.deliveries")
+    assert any(dict(p.attributes) == {"kind": "t.permanent", "queue": QUEUE,
+                                      "outcome": "failed"} for p in labelled)
     durations = metric_points(reader, "outbox.delivery.duration")
-    assert any(dict(p.attributes) == {"kind": "t.permanent", "outcome": "failed"}
-               for p in durations)
+    assert any(dict(p.attributes) == {"kind": "t.permanent", "queue": QUEUE,
+                                      "outcome": "failed"} for p in durations)
     lag_after = sum(p.count for p in metric_points(reader, "outbox.delivery.lag"))
     assert lag_after - lag_before == 3  # two t.ok and the (fenced) t.steal delivery
-    # Buckets are in seconds (our View), not the SDK's millisecond-shaped default.
+    # Buckets are in seconds, from the instruments' advisory boundaries: this provider
+    # (like an application's own) has no View of ours.
     lag = metric_points(reader, "outbox.delivery.lag")[0]
-    assert lag.explicit_bounds[0] == 0.01
+    assert tuple(lag.explicit_bounds) == LAG_BUCKETS
+    assert tuple(durations[0].explicit_bounds) == DURATION_BUCKETS
+    # The conventions' own histogram, with error.type on failed attempts.
+    processed = metric_points(reader, "messaging.process.duration")
+    assert any(dict(p.attributes).get("error.type") == "outbox.errors.PermanentFailure"
+               and dict(p.attributes)["messaging.destination.name"] == QUEUE
+               for p in processed)
 
 
 def _fresh_reader() -> tuple[MeterProvider, InMemoryMetricReader]:

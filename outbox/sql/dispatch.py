@@ -267,6 +267,9 @@ class Outcome:
     result: str | None = None  # JSON text stored on the effect
     http_status: int | None = None
     trace_id: str | None = None
+    # Metric labels only (never written): the effect's kind and queue.
+    kind: str = ""
+    queue: str = ""
 
 
 # The batch is one jsonb parameter (an array of objects, keys as in `v` below):

@@ -72,6 +72,7 @@ from outbox.http import (
     install_problem_handlers,
     problem_openapi,
 )
+from outbox.telemetry_setup import instrument_fastapi
 from outbox.webhooks import WebhookSources
 
 MAX_BIGINT = 2**63 - 1
@@ -328,6 +329,9 @@ def create_app(engine: Engine | None = None, *, idempotency_mode: Mode = "atomic
                           code="not_migrated", headers={"Retry-After": "5"})
         return {"status": "ok"}
 
+    # A SERVER span per request (the maintained FastAPI instrumentation, when tracing
+    # is on): the trace of a payment starts at its request, not at `enqueue`.
+    instrument_fastapi(app)
     return app
 
 

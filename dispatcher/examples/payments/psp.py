@@ -64,6 +64,11 @@ from types import FrameType, TracebackType
 from typing import Any, Self, cast
 from urllib.parse import parse_qs, urlencode, urlsplit
 
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+_tracer = trace.get_tracer("outbox.examples.psp")
+
 __all__ = [
     "MODES",
     "ApplyResult",
@@ -666,6 +671,7 @@ class _Handler(BaseHTTPRequestHandler):
         return body if len(body) == length else None
 
     def _send(self, status: int, body: bytes, headers: Mapping[str, str] | None = None) -> None:
+        self.sent_status = status
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -760,7 +766,25 @@ class _Handler(BaseHTTPRequestHandler):
         elif path.startswith("/_"):
             self._send_json(404, {"error": "not_found"})
         else:
+            self._traced_deliver(path, body)
+
+    def _traced_deliver(self, path: str, body: bytes) -> None:
+        """`_deliver` in a SERVER span continuing the caller's traceparent (the HTTP
+        conventions' attributes), as a real receiver's framework instrumentation would:
+        the trace of a payment runs from the API request to this request."""
+        parent = propagate.extract({k.lower(): v for k, v in self.headers.items()})
+        with _tracer.start_as_current_span(
+                "POST", context=parent, kind=SpanKind.SERVER,
+                attributes={"http.request.method": "POST", "url.path": path,
+                            "url.scheme": "http", "network.protocol.version": "1.1"}
+        ) as span:
+            self.sent_status = 0
             self._deliver(path, body)
+            if self.sent_status:
+                span.set_attribute("http.response.status_code", self.sent_status)
+                if self.sent_status >= 500:
+                    span.set_status(Status(StatusCode.ERROR))
+                    span.set_attribute("error.type", str(self.sent_status))
 
     def _control(self, body: bytes) -> None:
         ledger = self.srv.ledger

@@ -22,10 +22,11 @@ def serve(host: str = "127.0.0.1", port: int = 8000) -> None:
     import uvicorn
 
     from dispatcher.metrics import configure_metrics
-    from outbox.telemetry_setup import configure
+    from outbox.telemetry_setup import configure, instrument_library
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", SETTINGS)
-    configure("outbox-example-api")
+    if configure("outbox-example-api"):
+        instrument_library("django")  # a SERVER span per request, by the conventions
     configure_metrics("outbox-example-api")
     django.setup()
     from django.core import checks
