@@ -23,7 +23,6 @@ from typing import Any
 
 import psutil
 import pytest
-import redis
 from celery import Celery
 from sqlalchemy import Engine, text
 
@@ -33,14 +32,14 @@ from dispatcher.examples.payments.psp import ReceiverProcess
 from dispatcher.handlers import Registry
 from outbox.sql import dispatch as sql
 from tests.dispatch_support import add_effects, db_now, effect_row, keys, wait_until
-from tests.test_dispatcher_processes import (
+from tests.process_support import (
     AMQP_URL,
-    BIN,
-    HANDLERS,
     Proc,
     Procs,
     check_exactly_once,
+    process_group,
     producer,
+    redis_or_skip,
     wait_all_final,
 )
 
@@ -151,23 +150,12 @@ def psp(psp_process: ReceiverProcess) -> ReceiverProcess:
 
 @pytest.fixture
 def procs(tmp_path: Path, psp: ReceiverProcess, db_url: str) -> Iterator[Procs]:
-    group = Procs(tmp_path, psp.url)
-    try:
-        yield group
-    finally:
-        group.cleanup()
-        for proc in group.started:  # shown by pytest only when the test failed
-            print(f"----- {proc.name} (pid {proc.pid}, rc {proc.popen.returncode})")
-            print(proc.tail(80))
+    yield from process_group(tmp_path, psp.url, tail=80)
 
 
 @pytest.fixture
 def redis_url() -> str:
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
-    except redis.exceptions.ConnectionError:
-        pytest.skip("Redis is not reachable on 127.0.0.1:6379")
-    return REDIS_URL
+    return redis_or_skip(REDIS_URL, flush=False)
 
 
 def celery_worker(procs: Procs, name: str, *, beat: bool, celery_queue: str | None = None,
@@ -182,16 +170,9 @@ def celery_worker(procs: Procs, name: str, *, beat: bool, celery_queue: str | No
         assert celery_queue is None
         return procs.celery(name, broker=broker, env=settings)
     queue = celery_queue or f"outbox-test-{uuid.uuid4().hex[:8]}"
-    full = {"OUTBOX_HANDLERS": HANDLERS, "OUTBOX_CELERY_QUEUE": queue,
-            "OUTBOX_SWEEP_INTERVAL": "1", "OUTBOX_CONCURRENCY": "4",
-            "OUTBOX_DRAIN_BUDGET": "5", **settings}
-    if broker is not None:
-        full["BROKER_URL"] = broker
-    cmd = [str(BIN / "celery"), "-A", "dispatcher.celery_app", "worker",
-           "-c", "2", "--loglevel", "INFO", "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h"]
-    proc = procs.spawn(name, cmd, full)
-    proc.queue = queue
-    return proc
+    return procs.celery_app_worker(
+        name, ["-c", "2", "--loglevel", "INFO", "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h"],
+        queue=queue, broker=broker, env=settings)
 
 
 def ring(app: Celery, celery_queue: str, queue: str) -> None:

@@ -13,7 +13,6 @@ Catalogue IDs: research/anchors-reliability.md sections B and C.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -22,14 +21,12 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-import redis
 from celery import Celery
 from sqlalchemy import Engine, text
 
@@ -45,107 +42,31 @@ from tests.dispatch_support import (
     summarize,
     wait_until,
 )
+from tests.process_support import (
+    AMQP_URL,
+    ROOT,
+    Procs,
+    check_exactly_once,
+    process_group,
+    producer,
+    redis_or_skip,
+    wait_all_final,
+    wait_connected,
+)
+
+# Other test modules import these from here, where they were first defined.
+from tests.process_support import BIN as BIN
+from tests.process_support import HANDLERS as HANDLERS
+from tests.process_support import Proc as Proc
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 SOAK = os.environ.get("OUTBOX_SOAK") == "1"
-HANDLERS = "tests.handlers_for_tests:registry"
 REDIS_DB = 13  # ours alone: flushed before each Celery test
 REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
-AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
 
 # --------------------------------------------------------------------------- processes
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-    stopped: bool = False
-    queue: str = ""  # Celery workers: the queue they consume
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def send(self, sig: int) -> None:
-        if self.alive():
-            os.kill(self.pid, sig)
-            self.stopped = sig == signal.SIGSTOP
-
-    def wait(self, timeout: float) -> int:
-        return self.popen.wait(timeout)
-
-    def tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-@dataclass
-class Procs:
-    """Starts worker processes and kills every one of them (and their children) after."""
-
-    tmp: Path
-    psp_url: str
-    started: list[Proc] = field(default_factory=list)
-
-    def spawn(self, name: str, cmd: Sequence[str], env: Mapping[str, str] | None = None
-              ) -> Proc:
-        log = self.tmp / f"{name}.log"
-        # PYTHONPATH: the `celery` script does not put the cwd on sys.path, and the
-        # handlers live in tests/.
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        full_env = {**os.environ, "PSP_URL": self.psp_url, "PYTHONUNBUFFERED": "1",
-                    "PYTHONPATH": path, **(env or {})}
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(list(cmd), cwd=ROOT, env=full_env, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        proc = Proc(name, popen, log)
-        self.started.append(proc)
-        return proc
-
-    def worker(self, name: str, *, concurrency: int = 4, lease: float = 10.0,
-               poll: float = 0.5, grace: float = 5.0,
-               env: Mapping[str, str] | None = None) -> Proc:
-        cmd = [sys.executable, "-m", "dispatcher.cli", "worker",
-               "--concurrency", str(concurrency), "--lease", str(lease), "--poll", str(poll),
-               "--grace", str(grace), "--handlers", HANDLERS, "--name", name]
-        return self.spawn(name, cmd, env)
-
-    def celery(self, name: str, *, broker: str | None, concurrency: int = 2,
-               env: Mapping[str, str] | None = None) -> Proc:
-        queue = f"outbox-test-{uuid.uuid4().hex[:8]}"
-        full = {"OUTBOX_HANDLERS": HANDLERS, "OUTBOX_CELERY_QUEUE": queue,
-                "OUTBOX_SWEEP_INTERVAL": "1", "OUTBOX_LEASE": "5", "OUTBOX_CONCURRENCY": "4",
-                "OUTBOX_DRAIN_BUDGET": "5", **(env or {})}
-        if broker is not None:
-            full["BROKER_URL"] = broker
-        cmd = [str(BIN / "celery"), "-A", "dispatcher.celery_app", "worker",
-               "--pool", "prefork", "-c", str(concurrency), "-B",
-               "-s", str(self.tmp / f"{name}-beat-schedule"), "--loglevel", "INFO",
-               "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h",
-               "--without-gossip", "--without-mingle", "--without-heartbeat"]
-        proc = self.spawn(name, cmd, full)
-        proc.queue = queue
-        return proc
-
-    def cleanup(self) -> None:
-        """SIGKILL each process group we started (Celery's prefork children included)."""
-        for proc in self.started:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGCONT)
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(10)
 
 
 @pytest.fixture
@@ -155,99 +76,18 @@ def psp(psp_process: ReceiverProcess) -> ReceiverProcess:
 
 @pytest.fixture
 def procs(tmp_path: Path, psp: ReceiverProcess, db_url: str) -> Iterator[Procs]:
-    group = Procs(tmp_path, psp.url)
-    try:
-        yield group
-    finally:
-        group.cleanup()
-        for proc in group.started:  # shown by pytest only when the test failed
-            print(f"----- {proc.name} (pid {proc.pid}, rc {proc.popen.returncode})")
-            print(proc.tail())
+    yield from process_group(tmp_path, psp.url)
 
 
 @pytest.fixture
 def redis_broker() -> str:
     """Redis for the Celery tests; a machine without one skips them (CI has it)."""
-    try:
-        redis.Redis(db=REDIS_DB, socket_connect_timeout=1).flushdb()
-    except redis.exceptions.ConnectionError:
-        pytest.skip("Redis is not reachable on 127.0.0.1:6379")
-    return REDIS_URL
-
-
-def wait_connected(engine: Engine, names: Sequence[str], timeout: float = 30.0) -> None:
-    """Wait until each named worker holds a session on our database."""
-    def ready() -> bool:
-        with engine.connect() as conn:
-            found = set(conn.execute(text(
-                "SELECT DISTINCT application_name FROM pg_stat_activity"
-                " WHERE datname = current_database() AND application_name = ANY(:n)"),
-                {"n": list(names)}).scalars())
-        return found == set(names)
-    wait_until(ready, timeout, interval=0.2, message=f"workers {list(names)} to connect")
-
-
-def wait_all_final(engine: Engine, total: int, timeout: float,
-                   final: Sequence[str] = ("delivered",)) -> None:
-    def done() -> bool:
-        counts = status_counts(engine)
-        return sum(counts.get(s, 0) for s in final) == total
-    wait_until(done, timeout, interval=0.2,
-               message=lambda: f"{total} effects final; now {status_counts(engine)}")
-
-
-def producer(broker: str, queue: str) -> Celery:
-    app = Celery(f"outbox-tests-{uuid.uuid4().hex[:6]}", broker=broker)
-    app.conf.task_default_queue = queue
-    return app
+    return redis_or_skip(REDIS_URL, flush=True)
 
 
 def ring(app: Celery, queue: str, task_id: str | None = None, kick: bool = True) -> None:
     app.send_task("outbox.drain", args=["default"], kwargs={"kick": kick}, queue=queue,
                   task_id=task_id or str(uuid.uuid4()))
-
-
-def check_exactly_once(engine: Engine, psp: ReceiverProcess, expected: Sequence[str],
-                       *, single_attempt: bool = True) -> dict[str, Any]:
-    """H10 checker: every expected effect delivered and applied exactly once.
-
-    With `single_attempt` (fault-free runs) also: one claim per effect, one attempt row,
-    one delivery at the receiver per key (a double claim would show up in all three).
-    """
-    stats = psp.assert_exactly_once(expected, allow_extra=False)
-    with engine.connect() as conn:
-        bad = conn.execute(text(
-            "SELECT effect_key, status FROM outbox.effects"
-            " WHERE effect_key = ANY(:k) AND status <> 'delivered' LIMIT 10"),
-            {"k": list(expected)}).all()
-        assert bad == [], f"not delivered: {bad}"
-        # Attempt rows vs the counter: a recorded attempt never exceeds the claims.
-        over = conn.execute(text(
-            "SELECT e.effect_key, e.attempts, count(a.id) AS rows FROM outbox.effects e"
-            " JOIN outbox.attempts a ON a.effect_id = e.id AND a.outcome <> 'lease_lost'"
-            " GROUP BY e.id HAVING count(a.id) > e.attempts LIMIT 10")).all()
-        assert over == [], f"more recorded attempts than claims: {over}"
-        # No two claims of one effect overlapped in time (a double claim).
-        overlap = conn.execute(text(
-            "SELECT a.effect_id, a.worker, b.worker FROM outbox.attempts a"
-            " JOIN outbox.attempts b ON a.effect_id = b.effect_id AND a.id < b.id"
-            " WHERE a.outcome <> 'lease_lost' AND b.outcome <> 'lease_lost'"
-            "   AND a.started_at < b.finished_at AND b.started_at < a.finished_at"
-            " LIMIT 10")).all()
-        assert overlap == [], f"overlapping attempts: {overlap}"
-        if single_attempt:
-            multi = conn.execute(text(
-                "SELECT e.effect_key, e.attempts FROM outbox.effects e"
-                " WHERE e.attempts <> 1 LIMIT 10")).all()
-            assert multi == [], f"claimed more than once: {multi}"
-            rows = conn.execute(text(
-                "SELECT count(*) FILTER (WHERE outcome = 'delivered'), count(*)"
-                " FROM outbox.attempts")).one()
-            assert tuple(rows) == (len(expected), len(expected))
-    if single_attempt:
-        assert stats["deliveries"] == len(expected)
-        assert stats["keys_delivered_more_than_once"] == 0
-    return stats
 
 
 def receiver_times(psp: ReceiverProcess, key: str) -> list[float]:

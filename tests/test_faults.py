@@ -54,8 +54,8 @@ from outbox._config import make_engine, normalize_url
 from outbox._idempotency import Mode
 from outbox.sql import dispatch as dispatch_sql
 from tests.dispatch_support import add_effects, keys, status_counts, summarize, wait_until
+from tests.process_support import Procs, check_exactly_once, process_group, wait_connected
 from tests.tcp_proxy import TcpProxy
-from tests.test_dispatcher_processes import Procs, check_exactly_once, wait_connected
 from tests.test_http import serving
 
 with warnings.catch_warnings():  # as in test_http: starlette would rather have httpx2
@@ -489,14 +489,7 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture
 def workers(tmp_path: Path, psp_process: ReceiverProcess) -> Iterator[Procs]:
-    group = Procs(tmp_path, psp_process.url)
-    try:
-        yield group
-    finally:
-        group.cleanup()
-        for proc in group.started:
-            print(f"----- {proc.name} (pid {proc.pid}, rc {proc.popen.returncode})")
-            print(proc.tail())
+    yield from process_group(tmp_path, psp_process.url)
 
 
 @dataclass

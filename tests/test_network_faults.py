@@ -27,7 +27,6 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-import redis
 from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import OperationalError
 
@@ -47,16 +46,17 @@ from tests.dispatch_support import (
     summarize,
     wait_until,
 )
-from tests.tcp_proxy import TcpProxy
-from tests.test_dispatcher_processes import (
-    REDIS_URL,
+from tests.process_support import (
     Procs,
     check_exactly_once,
+    process_group,
     producer,
-    ring,
+    redis_or_skip,
     wait_all_final,
 )
-from tests.test_faults import free_port, pg_upstream, via_proxy
+from tests.tcp_proxy import TcpProxy
+from tests.test_dispatcher_processes import REDIS_URL, ring
+from tests.test_faults import free_port, pg_upstream, scalar, via_proxy
 
 with warnings.catch_warnings():  # as in test_http: starlette would rather have httpx2
     warnings.simplefilter("ignore")
@@ -91,11 +91,6 @@ def pg_proxy(db_url: str) -> Iterator[TcpProxy]:
 def proxied(db_url: str, proxy: TcpProxy, **kwargs: object) -> Engine:
     return make_engine(via_proxy(db_url, proxy.port),
                        application_name="net-faults", **kwargs)  # type: ignore[arg-type]
-
-
-def scalar(engine: Engine, sql: str, **params: Any) -> Any:
-    with engine.connect() as conn:
-        return conn.execute(text(sql), params).scalar_one()
 
 
 def test_a_call_on_a_silenced_connection_fails_within_the_bound(
@@ -418,14 +413,7 @@ def _call(handler: HttpHandler, effect: EffectContext) -> Any:
 
 @pytest.fixture
 def procs(tmp_path: Path, psp_process: ReceiverProcess, db_url: str) -> Iterator[Procs]:
-    group = Procs(tmp_path, psp_process.url)
-    try:
-        yield group
-    finally:
-        group.cleanup()
-        for proc in group.started:  # shown by pytest only when the test failed
-            print(f"----- {proc.name} (pid {proc.pid}, rc {proc.popen.returncode})")
-            print(proc.tail(60))
+    yield from process_group(tmp_path, psp_process.url, tail=60)
 
 
 def _redis(request: pytest.FixtureRequest) -> str:
@@ -436,11 +424,7 @@ def _redis(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def redis_broker() -> str:
     """As in test_dispatcher_processes: Redis db 13, ours alone; skipped without Redis."""
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).flushdb()
-    except redis.exceptions.ConnectionError:
-        pytest.skip("Redis is not reachable on 127.0.0.1:6379")
-    return REDIS_URL
+    return redis_or_skip(REDIS_URL, flush=True)
 
 
 def worker_env(db_url: str, pg: TcpProxy | None, psp_url: str | None = None,
