@@ -26,9 +26,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
@@ -44,7 +45,7 @@ from outbox.sql.dispatch import Claimed, Outcome
 
 log = logging.getLogger("outbox.dispatcher")
 
-__all__ = ["Claimed", "Dispatcher", "Outcome", "Stats", "default_worker_id"]
+__all__ = ["Claimed", "Dispatcher", "Outcome", "SlotShare", "Stats", "default_worker_id"]
 
 # Kept importable under their old names.
 _db_retry = db_retry
@@ -59,6 +60,19 @@ CLAIM_COOLDOWN = 0.02
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class SlotShare(Protocol):
+    """Delivery slots shared with other dispatchers (`outbox worker --database` x N:
+    dispatcher/fleet.py). `acquire` grants at most `want` slots for one claim;
+    `settle` returns the grant once the claimed rows are in flight (`got` of them);
+    `release` says a delivery left flight (a slot is free: ring whoever waits)."""
+
+    def acquire(self, want: int) -> int: ...
+
+    def settle(self, granted: int, got: int) -> None: ...
+
+    def release(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -86,11 +100,17 @@ class Dispatcher:
         clock: Clock = database_clock,
         max_batch: int = 100,
         full_scan_every: float = FULL_SCAN_EVERY,
+        metric_labels: Mapping[str, str] | None = None,
+        slots: SlotShare | None = None,
     ) -> None:
         """`full_scan_every`: under a saturated backlog, claim without the producer's
         watermark at least this often (seconds; default FULL_SCAN_EVERY, 2 s): the
         bound on how long a row that commits behind the watermark waits (0: no
-        watermark, every claim scans from the head). See dispatcher/producer.py."""
+        watermark, every claim scans from the head). See dispatcher/producer.py.
+
+        `metric_labels` are added to the delivery metrics (`outbox worker` adds `db`);
+        `slots`: a share of a process-wide slot budget (dispatcher/fleet.py): each
+        claim then takes at most what the share grants, on top of `concurrency`."""
         if concurrency < 1 or lease <= 0:
             raise ValueError("concurrency must be >= 1 and lease > 0")
         self.engine = engine
@@ -106,9 +126,12 @@ class Dispatcher:
         self.wake = threading.Event()  # a doorbell: NOTIFY, a freed slot, a written outcome
         self.producer = Producer(engine, queue=queue, worker_id=self.worker_id,
                                  lease=lease, clock=clock, full_scan_every=full_scan_every)
-        self.executor = Executor(registry, self.policy, clock, lease, queue)
+        self.slots = slots
+        self.executor = Executor(registry, self.policy, clock, lease, queue,
+                                 labels=metric_labels)
         self.completer = Completer(engine, worker_id=self.worker_id, clock=clock,
-                                   stats=self.stats, target=min(concurrency, max_batch))
+                                   stats=self.stats, target=min(concurrency, max_batch),
+                                   labels=metric_labels)
         self.completer.on_written = self.wake.set
         self._pool = SlotPool(concurrency, "outbox-deliver")
         self._lock = threading.Lock()
@@ -153,6 +176,8 @@ class Dispatcher:
             ring = left == 0 or self.concurrency - left == self._claim_min
         if ring:
             self.wake.set()
+        if self.slots is not None:
+            self.slots.release()
 
     @property
     def _done(self) -> list[Outcome]:
@@ -218,6 +243,20 @@ class Dispatcher:
         free = self._free()
         if free <= 0:
             return 0
+        if self.slots is None:
+            return self._start(free)
+        granted = self.slots.acquire(free)
+        if granted <= 0:
+            return 0
+        got = 0
+        try:
+            got = self._start(granted)
+        finally:
+            self.slots.settle(granted, got)
+        return got
+
+    def _start(self, free: int) -> int:
+        """Claim up to `free` rows and hand them to the slot pool."""
         self._last_claim = time.monotonic()
         rows = self._claim(free)
         if rows:
@@ -360,6 +399,8 @@ class Dispatcher:
                 self.completer.add(self.executor.released(item.row, item.started))
         if release:
             log.warning("released %d in-flight effects at shutdown", len(release))
+            if self.slots is not None:
+                self.slots.release()
         self.flush()
         self._pool.shutdown()
         self.executor.stop()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
@@ -50,8 +50,9 @@ class Completer:
     """Records finished attempts in batches, fenced by lease token."""
 
     def __init__(self, engine: Engine, *, worker_id: str, clock: Clock, stats: Stats,
-                 target: int = 1) -> None:
+                 target: int = 1, labels: Mapping[str, str] | None = None) -> None:
         self.conn = HeldConnection(engine)
+        self.labels = dict(labels or {})  # added to `outbox.deliveries` (`db`)
         # The background writer waits up to LINGER for `target` outcomes: a statement
         # per finished delivery would cost a round trip and a commit each.
         self.target = max(1, target)
@@ -106,7 +107,8 @@ class Completer:
             if got == AttemptOutcome.LEASE_LOST:
                 log.warning("effect %s: lease lost before its outcome was recorded "
                             "(fenced)", o.effect_id)
-            deliveries.add(1, {"kind": o.kind, "queue": o.queue, "outcome": got})
+            deliveries.add(1, {"kind": o.kind, "queue": o.queue, "outcome": got,
+                               **self.labels})
         return recorded
 
     @db_retry

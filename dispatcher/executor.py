@@ -18,7 +18,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -160,8 +160,11 @@ class Executor:
     result ends in (`crashed`, `released`)."""
 
     def __init__(self, registry: Registry, policy: RetryPolicy, clock: Clock,
-                 lease: float, queue: str) -> None:
+                 lease: float, queue: str, *,
+                 labels: Mapping[str, str] | None = None) -> None:
+        """`labels`: added to every metric this records (`db` in `outbox worker`)."""
         self.registry = registry
+        self.labels = dict(labels or {})
         self.policy = policy
         self.clock = clock
         self.lease = lease
@@ -185,7 +188,7 @@ class Executor:
         headers = row.headers if isinstance(row.headers, dict) else {}
         parent = propagate.extract(headers) if headers else None
         registration = self.registry.get(row.kind)
-        labels = {"kind": row.kind, "queue": row.queue}
+        labels = {"kind": row.kind, "queue": row.queue, **self.labels}
         attributes: dict[str, str | int] = {
             **messaging_attributes("process", DELIVER, row.queue),
             "messaging.message.id": str(row.id),
@@ -234,7 +237,7 @@ class Executor:
                 span.set_status(Status(StatusCode.ERROR, f"{decision.outcome}: {failure}"))
                 delivery_duration.record(duration, {**labels, "outcome": decision.outcome})
                 process_duration.record(duration, {**messaging_attributes(
-                    "process", DELIVER, row.queue), "error.type": failure})
+                    "process", DELIVER, row.queue), "error.type": failure, **self.labels})
                 return Outcome(
                     effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
                     outcome=AttemptOutcome(decision.outcome),
@@ -247,8 +250,8 @@ class Executor:
             duration = time.perf_counter() - t0
             span.set_attribute("outbox.outcome", "delivered")
             delivery_duration.record(duration, {**labels, "outcome": "delivered"})
-            process_duration.record(duration, messaging_attributes("process", DELIVER,
-                                                                   row.queue))
+            process_duration.record(duration, {**messaging_attributes(
+                "process", DELIVER, row.queue), **self.labels})
             delivery_lag.record(
                 max(0.0, (datetime.now(UTC) - row.created_at).total_seconds()), labels)
             status = result.get("status") if isinstance(result, dict) else None

@@ -8,6 +8,10 @@ per `ttl` seconds per process, however many gauges or readers collect meanwhile.
 
 The values are database-wide, so every worker process reports the same numbers (one
 series per `service.instance.id`): aggregate with `max()`, never `sum()`, in queries.
+`outbox worker` labels every gauge with `db`, the database's short name (issue 17: one
+process may serve several databases, `outbox worker --database`; one set of gauges
+reads each of them, `QueueGauges.add`): split or filter by `db`, and take `max()`
+across processes per `db`.
 The same snapshot reads the lock waits on our tables from `pg_locks` (issue 15:
 `outbox.db.lock_waits`, `outbox.db.lock_wait_age`, per table; outbox/sql/locks.py),
 and table health (issue 12, outbox/sql/health.py): live and dead tuples and the age of
@@ -49,6 +53,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox import _telemetry
+from outbox._redact import redact_secrets
 from outbox._schema import metadata
 from outbox.sql import effects as fx
 from outbox.sql import health as hx
@@ -110,24 +115,41 @@ def read_snapshot(engine: Engine, *, taken_at: float | None = None) -> QueueSnap
     )
 
 
+class _Source:
+    """One database the gauges read, with its own cache (and lock: a database that
+    does not answer delays only its own read)."""
+
+    def __init__(self, engine: Engine, db: str | None) -> None:
+        self.engine = engine
+        self.labels: dict[str, str] = {} if db is None else {"db": db}
+        self.db = db
+        self.lock = threading.Lock()
+        self.cached: QueueSnapshot | None = None
+        self.failed_at: float | None = None
+
+
 class QueueGauges:
     """Observable gauges over one engine, with a `ttl`-second cache shared by all of them.
 
     If the database cannot be read, the gauges report nothing for that collection (the
     series goes stale and `absent()` alerts fire) rather than a stale or made-up value;
     failures are also cached for `ttl`, so an outage costs one attempt per `ttl`.
+
+    `db`: a `db` label on every point (the database's short name). `add(engine, db)`
+    reads another database into the same gauges, under its own `db` label (an SDK
+    meter keeps the first callbacks of an instrument name, so a second set of gauges
+    on the same meter would never be read).
     """
 
     def __init__(self, engine: Engine, *, ttl: float = DEFAULT_TTL,
                  meter: Meter | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, db: str | None = None) -> None:
         self.engine = engine
         self.ttl = ttl
         self.clock = clock
         self.reads = 0  # database reads so far (tests check the cache with it)
-        self._lock = threading.Lock()
-        self._cached: QueueSnapshot | None = None
-        self._failed_at: float | None = None
+        self._lock = threading.Lock()  # guards `_sources` and `reads`
+        self._sources = [_Source(engine, db)]
         m = meter or _telemetry.meter
         m.create_observable_gauge(
             "outbox.queue.effects", callbacks=[self._observe_effects], unit="{effect}",
@@ -182,106 +204,116 @@ class QueueGauges:
             description="How long the oldest transaction holding the xmin horizon has "
             "been open, by holder: session, prepared_xact (0 when none; slots: unknown)")
 
-    def snapshot(self) -> QueueSnapshot | None:
-        """The cached snapshot, refreshed when older than `ttl`; None if unreadable."""
+    def add(self, engine: Engine, db: str) -> bool:
+        """Read `engine`'s database too, labelled `db`; False if `db` is read already."""
         with self._lock:
+            if any(s.db == db for s in self._sources):
+                return False
+            self._sources = [*self._sources, _Source(engine, db)]
+            return True
+
+    @property
+    def databases(self) -> list[str | None]:
+        """The `db` labels read (None: the first database, unlabelled)."""
+        return [s.db for s in self._sources]
+
+    def snapshot(self) -> QueueSnapshot | None:
+        """The first database's cached snapshot, refreshed when older than `ttl`; None
+        if unreadable."""
+        return self._snapshot(self._sources[0])
+
+    def _snapshot(self, source: _Source) -> QueueSnapshot | None:
+        with source.lock:
             now = self.clock()
-            cached = self._cached
+            cached = source.cached
             if cached is not None and now - cached.taken_at < self.ttl:
                 return cached
-            if self._failed_at is not None and now - self._failed_at < self.ttl:
+            if source.failed_at is not None and now - source.failed_at < self.ttl:
                 return None
-            self.reads += 1
+            with self._lock:
+                self.reads += 1
             try:
-                snap = read_snapshot(self.engine, taken_at=now)
+                snap = read_snapshot(source.engine, taken_at=now)
             except SQLAlchemyError as exc:
-                self._cached, self._failed_at = None, now
+                source.cached, source.failed_at = None, now
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-                log.warning("queue gauges: cannot read the database: %s", first)
+                on = "" if source.db is None else f" {source.db}"
+                log.warning("queue gauges: cannot read the database%s: %s", on,
+                            redact_secrets(first))
                 return None
-            self._cached, self._failed_at = snap, None
+            source.cached, source.failed_at = snap, None
             return snap
 
+    def _each(self) -> list[tuple[QueueSnapshot, dict[str, str]]]:
+        """(snapshot, labels) of every database that could be read."""
+        out = []
+        for source in self._sources:
+            snap = self._snapshot(source)
+            if snap is not None:
+                out.append((snap, source.labels))
+        return out
+
     def _observe_effects(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        if snap is None:
-            return []
-        return [Observation(n, {"status": s}) for s, n in snap.effects.items()]
+        return [Observation(n, {"status": s, **db}) for snap, db in self._each()
+                for s, n in snap.effects.items()]
 
     def _observe_due(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        return [] if snap is None else [Observation(snap.due)]
+        return [Observation(snap.due, db) for snap, db in self._each()]
 
     def _observe_oldest(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        return [] if snap is None else [Observation(snap.oldest_due_age_seconds)]
+        return [Observation(snap.oldest_due_age_seconds, db) for snap, db in self._each()]
 
     def _observe_expired(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        return [] if snap is None else [Observation(snap.expired_leases)]
+        return [Observation(snap.expired_leases, db) for snap, db in self._each()]
 
     def _observe_stale(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        return [] if snap is None else [Observation(snap.stale_processing_keys)]
+        return [Observation(snap.stale_processing_keys, db) for snap, db in self._each()]
 
     def _observe_lock_waits(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        if snap is None:
-            return []
         none = lx.LockWaits(0, 0.0)
-        return [Observation(snap.lock_waits.get(t, none).sessions, {"table": t})
-                for t in LOCK_TABLES]
+        return [Observation(snap.lock_waits.get(t, none).sessions, {"table": t, **db})
+                for snap, db in self._each() for t in LOCK_TABLES]
 
     def _observe_lock_wait_age(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        if snap is None:
-            return []
         none = lx.LockWaits(0, 0.0)
-        return [Observation(snap.lock_waits.get(t, none).longest_seconds, {"table": t})
-                for t in LOCK_TABLES]
+        return [Observation(snap.lock_waits.get(t, none).longest_seconds,
+                            {"table": t, **db})
+                for snap, db in self._each() for t in LOCK_TABLES]
 
     def _observe_dead(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        return [] if snap is None else [Observation(h.dead_tuples, {"table": t})
-                                        for t, h in sorted(snap.tables.items())]
+        return [Observation(h.dead_tuples, {"table": t, **db})
+                for snap, db in self._each() for t, h in sorted(snap.tables.items())]
 
     def _observe_live(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        return [] if snap is None else [Observation(h.live_tuples, {"table": t})
-                                        for t, h in sorted(snap.tables.items())]
+        return [Observation(h.live_tuples, {"table": t, **db})
+                for snap, db in self._each() for t, h in sorted(snap.tables.items())]
 
     def _observe_autovacuum(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        return [] if snap is None else [
-            Observation(h.since_autovacuum, {"table": t})
-            for t, h in sorted(snap.tables.items()) if h.since_autovacuum is not None]
+        return [Observation(h.since_autovacuum, {"table": t, **db})
+                for snap, db in self._each() for t, h in sorted(snap.tables.items())
+                if h.since_autovacuum is not None]
 
     def _observe_vacuum(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        return [] if snap is None else [
-            Observation(h.since_vacuum, {"table": t})
-            for t, h in sorted(snap.tables.items()) if h.since_vacuum is not None]
+        return [Observation(h.since_vacuum, {"table": t, **db})
+                for snap, db in self._each() for t, h in sorted(snap.tables.items())
+                if h.since_vacuum is not None]
 
     def _observe_horizon_age(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        if snap is None:
-            return []
-        return [Observation(h.xid_age if (h := snap.horizon.get(k)) else 0, {"holder": k})
-                for k in hx.HOLDERS]
+        return [Observation(h.xid_age if (h := snap.horizon.get(k)) else 0,
+                            {"holder": k, **db})
+                for snap, db in self._each() for k in hx.HOLDERS]
 
     def _observe_horizon_seconds(self, options: CallbackOptions) -> Iterable[Observation]:
-        snap = self.snapshot()
-        if snap is None:
-            return []
         out = []
-        for k in hx.HOLDERS:
-            h = snap.horizon.get(k)
-            if k == "replication_slot":  # a slot has no start time
-                continue
-            if h is None:
-                out.append(Observation(0.0, {"holder": k}))
-            elif h.seconds is not None:  # else hidden from this role: no value, not 0
-                out.append(Observation(h.seconds, {"holder": k}))
+        for snap, db in self._each():
+            for k in hx.HOLDERS:
+                h = snap.horizon.get(k)
+                if k == "replication_slot":  # a slot has no start time
+                    continue
+                if h is None:
+                    out.append(Observation(0.0, {"holder": k, **db}))
+                elif h.seconds is not None:  # else hidden from this role: no value, not 0
+                    out.append(Observation(h.seconds, {"holder": k, **db}))
         return out
 
 
@@ -290,22 +322,27 @@ _process_gauges: QueueGauges | None = None
 
 
 def register_queue_gauges(engine: Engine, *, ttl: float = DEFAULT_TTL,
-                          meter_provider: MeterProvider | None = None) -> QueueGauges:
+                          meter_provider: MeterProvider | None = None,
+                          db: str | None = None) -> QueueGauges:
     """Register the queue gauges, once per process on the global meter.
 
     The values are database-wide, so a second call (another queue's dispatcher in the
-    same process) returns the gauges already registered. With `meter_provider`, a new
+    same process) returns the gauges already registered; a second call with another
+    `db` label (a worker serving several databases) adds that database to them. `db`
+    labels every point with the database's short name. With `meter_provider`, a new
     set is registered on that provider (tests use their own reader this way). On the
     global meter, the engine's pool occupancy is exported too (`instrument_pool`).
     """
     global _process_gauges
     if meter_provider is not None:
         return QueueGauges(engine, ttl=ttl,
-                           meter=meter_provider.get_meter("outbox"))
+                           meter=meter_provider.get_meter("outbox"), db=db)
     instrument_pool(engine)
     with _lock:
         if _process_gauges is None:
-            _process_gauges = QueueGauges(engine, ttl=ttl)
+            _process_gauges = QueueGauges(engine, ttl=ttl, db=db)
+        elif db is not None:
+            _process_gauges.add(engine, db)
         return _process_gauges
 
 
