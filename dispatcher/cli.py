@@ -397,19 +397,34 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    """DATABASE_URL's database; or, with `--database` (or OUTBOX_DATABASES), each of
+    those from this one process, sharing `--concurrency` (dispatcher/fleet.py)."""
     from dispatcher._core import Dispatcher
+    from dispatcher.fleet import databases_from
     from dispatcher.handlers import load_registry
     from dispatcher.metrics import configure_metrics, register_queue_gauges
     from dispatcher.worker import run_worker
     from outbox._connections import DEFAULT_WORKER_CALL_TIMEOUT
     from outbox.telemetry_setup import configure
 
+    if args.concurrency < 1:
+        raise UsageError("--concurrency must be at least 1")
+    specs = databases_from(args.database, os.environ)  # before any side effect
     configure("outbox-worker")
     configure_metrics("outbox-worker")
     # The worker logs at INFO; httpx would add a line per delivery (thousands a second
     # under load, CPU the deliveries need). Attempts are in outbox.attempts anyway.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     registry = load_registry(args.handlers)
+    if specs is not None:
+        from dispatcher.fleet import Settings, retry_max_from, serve
+
+        serve(specs, registry, Settings(
+            concurrency=args.concurrency, queue=args.queue, lease=args.lease,
+            poll_interval=args.poll, grace=args.grace, full_scan_every=args.full_scan_every,
+            application_name=args.name or "outbox-worker",
+            retry_max=retry_max_from(os.environ)))
+        return 0
     # No pre-ping: every dispatcher statement already retries on a dead connection
     # (dispatcher/_core.py _db_retry), and the ping costs a round trip per statement;
     # a pooled connection idle longer than the call timeout is still pinged. The call
@@ -417,9 +432,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine = make_engine(application_name=args.name or "outbox-worker",
                          pool_size=2, max_overflow=2, pool_pre_ping=False,
                          call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
-    register_queue_gauges(engine)
+    # Metrics carry `db`, the database's name, as a worker serving several does.
+    db = engine.url.database or "default"
+    register_queue_gauges(engine, db=db)
     dispatcher = Dispatcher(engine, registry, queue=args.queue, concurrency=args.concurrency,
-                            lease=args.lease, full_scan_every=args.full_scan_every)
+                            lease=args.lease, full_scan_every=args.full_scan_every,
+                            metric_labels={"db": db})
     run_worker(dispatcher, poll_interval=args.poll, grace=args.grace,
                application_name=args.name or "outbox-worker")
     return 0
@@ -498,7 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
     mg.set_defaults(fn=cmd_migrate)
 
     w = sub.add_parser("worker", help="run the standalone dispatcher")
-    w.add_argument("--concurrency", type=int, default=8, help="deliveries in flight (8)")
+    w.add_argument("--concurrency", type=int, default=8,
+                   help="deliveries in flight (8); with several databases, the total "
+                        "they share")
+    w.add_argument("--database", action="append", metavar="[NAME=]URL",
+                   help="serve this outbox database (repeatable: one process, several "
+                        "databases, each named NAME or by its database name in logs and "
+                        "metrics); replaces $OUTBOX_DATABASES; without either, "
+                        "$DATABASE_URL")
     w.add_argument("--queue", default="default")
     w.add_argument("--lease", type=float, default=30.0, help="lease seconds (30)")
     w.add_argument("--poll", type=float, default=1.0, help="poll interval seconds (1)")

@@ -86,11 +86,14 @@ def sweep(engine: Engine) -> list[int]:
 
 def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: float = 10.0,
                stop: threading.Event | None = None, install_signals: bool = True,
-               listen: bool = True, application_name: str = "outbox-worker") -> None:
+               listen: bool = True, application_name: str = "outbox-worker",
+               label: str | None = None) -> None:
     """Run until SIGTERM/SIGINT (or `stop`), then shut down gracefully.
 
     `listen=False` runs without the LISTEN/NOTIFY doorbell: polling every
     `poll_interval` seconds only (the benchmark's polling-only latency case).
+    `label`: the database's short name, in log lines and the listener thread's name
+    (one of several dispatchers in one process: dispatcher/fleet.py).
     Retention (outbox/retention.py, `OUTBOX_RETENTION*`) runs from the tick on a
     thread of its own; a bad setting refuses to start (ConfigurationError).
     """
@@ -105,7 +108,8 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
         signal.signal(signal.SIGINT, on_signal)
     if listen:
         threading.Thread(
-            target=listen_for_due, name="outbox-listen", daemon=True,
+            target=listen_for_due, daemon=True,
+            name="outbox-listen" if label is None else f"outbox-listen-{label}",
             args=(dispatcher.engine, NOTIFY_CHANNEL, dispatcher.wake, stop, dispatcher.queue,
                   f"{application_name}-listener"),
         ).start()
@@ -124,9 +128,10 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
                 log.warning("dead-lettered %d effects whose last lease expired", len(dead))
         retention.start_if_due(dispatcher.engine, stop)  # never blocks the loop
 
-    log.info("worker %s: queue=%s concurrency=%d lease=%.0fs", dispatcher.worker_id,
-             dispatcher.queue, dispatcher.concurrency, dispatcher.lease)
-    log.info("retention: %s", retention.plan.describe() if retention.plan else "off")
+    on = "" if label is None else f" database {label}:"
+    log.info("worker %s:%s queue=%s concurrency=%d lease=%.0fs", dispatcher.worker_id,
+             on, dispatcher.queue, dispatcher.concurrency, dispatcher.lease)
+    log.info("retention:%s %s", on, retention.plan.describe() if retention.plan else "off")
     dispatcher.run(stop, poll_interval=poll_interval, grace=grace, on_tick=on_tick)
     retention.join(5.0)  # it stops between two batches once `stop` is set
-    log.info("worker %s stopped: %s", dispatcher.worker_id, dispatcher.stats)
+    log.info("worker %s stopped:%s %s", dispatcher.worker_id, on, dispatcher.stats)
