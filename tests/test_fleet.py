@@ -41,8 +41,8 @@ from outbox import _migrate
 from outbox._config import make_engine
 from tests.dispatch_support import add_effects, keys, summarize, wait_until
 from tests.otel_helpers import metric_points, metric_reader
+from tests.process_support import Proc, Procs, process_group
 from tests.tcp_proxy import TcpProxy
-from tests.test_dispatcher_processes import Proc, Procs
 
 HANDLERS = "tests.fleet_handlers:registry"
 SECRET = "s3cret-pw"  # in every URL we give the worker: trust auth ignores it
@@ -161,14 +161,7 @@ def psp(psp_process: ReceiverProcess) -> ReceiverProcess:
 
 @pytest.fixture
 def procs(tmp_path: Path, psp: ReceiverProcess, db_url: str) -> Iterator[Procs]:
-    group = Procs(tmp_path, psp.url)
-    try:
-        yield group
-    finally:
-        group.cleanup()
-        for proc in group.started:  # shown by pytest only when the test failed
-            print(f"----- {proc.name} (pid {proc.pid}, rc {proc.popen.returncode})")
-            print(proc.tail(80))
+    yield from process_group(tmp_path, psp.url, tail=80)
 
 
 def fleet_worker(procs: Procs, name: str, databases: Sequence[str], *,
