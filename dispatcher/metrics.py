@@ -42,13 +42,6 @@ from dataclasses import dataclass, field
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
-from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
-from opentelemetry.sdk.metrics.export import (
-    ConsoleMetricExporter,
-    MetricExporter,
-    PeriodicExportingMetricReader,
-)
-from opentelemetry.sdk.resources import Resource
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -447,6 +440,17 @@ def configure_metrics(service_name: str) -> bool:
     """
     choice = os.environ.get("OTEL_METRICS_EXPORTER", "none").strip().lower()
     if choice in ("", "none"):
+        return False
+    try:  # the SDK comes with `pg-outbox[otel]`: a worker runs without it
+        from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
+        from opentelemetry.sdk.metrics.export import (
+            ConsoleMetricExporter,
+            MetricExporter,
+            PeriodicExportingMetricReader,
+        )
+        from opentelemetry.sdk.resources import Resource
+    except ImportError:
+        log.warning("OTEL_METRICS_EXPORTER=%s needs pg-outbox[otel] (the SDK)", choice)
         return False
     if isinstance(metrics.get_meter_provider(), SdkMeterProvider):
         return False

@@ -125,6 +125,68 @@ def test_a_bare_install_pulls_in_the_core_only(tmp_path: Path) -> None:
     assert "Traceback" not in cli.stderr
 
 
+# Each extra alone, in a fresh venv with the wheel: the feature it is named for imports
+# and does one real thing without a database (what a user tries first).
+EXTRA_PROBES = {
+    "http": "from dispatcher.handlers import HttpHandler; "
+            "print(HttpHandler('http://127.0.0.1:9/x'))",
+    "fastapi": "from fastapi import FastAPI; from outbox.http import Idempotency, "
+               "install_problem_handlers; install_problem_handlers(FastAPI()); print('ok')",
+    "celery": "from celery import Celery; from dispatcher.celery_tasks import register; "
+              "app = Celery('user', broker='memory://'); register(app); "
+              "print(sorted(t for t in app.tasks if t.startswith('outbox')))",
+    "console": "from outbox.console import create_console_app; print(create_console_app)",
+    "django": "import django; from django.conf import settings; "
+              "settings.configure(INSTALLED_APPS=['outbox.contrib.django'], "
+              "DATABASES={'default': {'ENGINE': 'django.db.backends.postgresql', "
+              "'NAME': 'x'}}); django.setup(); "
+              "import outbox.contrib.django.drf, outbox.contrib.django.idempotency; "
+              "print('ok')",
+    "otel": "import os; os.environ['OTEL_TRACES_EXPORTER'] = 'console'; "
+            "from outbox.telemetry_setup import configure; "
+            "import opentelemetry.instrumentation.httpx; print(configure('probe'))",
+}
+
+
+@pytest.fixture(scope="module")
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    uv = shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not installed")
+    dist = tmp_path_factory.mktemp("dist")
+    built = subprocess.run([uv, "build", "--wheel", "-o", str(dist), str(ROOT)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    return next(dist.glob("*.whl"))
+
+
+@pytest.mark.parametrize("extra", sorted(EXTRA_PROBES))
+def test_each_extra_alone_works_for_its_feature(extra: str, built_wheel: Path,
+                                                tmp_path: Path) -> None:
+    """Issue 12: `pip install pg-outbox[<extra>]` is enough for that extra's feature."""
+    uv = shutil.which("uv")
+    assert uv is not None
+    venv = tmp_path / "venv"
+    subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True,
+                   timeout=120)
+    python = venv / "bin" / "python"
+    done = subprocess.run([uv, "pip", "install", "-q", "--python", str(python),
+                           f"{built_wheel}[{extra}]"],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 and "network" in done.stderr.lower():
+        pytest.skip(f"no package index reachable: {done.stderr[-300:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    probe = subprocess.run([str(python), "-c", EXTRA_PROBES[extra]], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120,
+                           env={"PATH": "/usr/bin:/bin"})
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert "Traceback" not in probe.stderr
+    if extra == "celery":
+        assert "outbox.drain" in probe.stdout, probe.stdout
+    if extra == "otel":
+        assert probe.stdout.strip().splitlines()[-1] == "True", probe.stdout
+
+
 def test_every_package_is_in_the_wheel() -> None:
     """The setuptools list is explicit: a new package missing from it ships a broken
     wheel (outbox.sql once did: `import outbox` failed outside the checkout)."""

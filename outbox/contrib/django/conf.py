@@ -32,8 +32,8 @@ from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
 from outbox._canonical import DEFAULT_MAX_BODY
+from outbox._web import DEFAULT_STORED_HEADERS, ReplayPolicy
 from outbox.errors import ConfigurationError
-from outbox.http import DEFAULT_STORED_HEADERS, Idempotency
 
 DEFAULTS: dict[str, Any] = {
     "DATABASE": "default",
@@ -131,7 +131,7 @@ def problems() -> list[str]:
 
 def _stored_headers_policy(headers: tuple[str, ...]) -> Any:
     """outbox.http's header policy (refuses Set-Cookie & co.), reused as is."""
-    return Idempotency(dict, stored_headers=headers)
+    return ReplayPolicy(stored_headers=headers)
 
 
 def _callable(value: Any) -> Callable[..., Any]:

@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from rest_framework.renderers import BaseRenderer
     from rest_framework.request import Request
 
+from outbox._web import Problem
 from outbox.contrib.django.idempotency import _drf_errors, problem, problem_response
 from outbox.errors import IdempotencyConflict, InvalidInput
-from outbox.http import Problem
 
 _KEPT_HEADERS = ("www-authenticate", "retry-after", "allow")
 

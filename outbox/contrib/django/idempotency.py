@@ -51,14 +51,19 @@ from django.db import DatabaseError, transaction
 from django.db import OperationalError as DjangoOperationalError
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.template.response import SimpleTemplateResponse
-from pydantic import TypeAdapter, ValidationError
-from starlette.requests import Request as StarletteRequest
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from outbox import http as _http
+from outbox import _web as _http
 from outbox._canonical import fingerprint, parse_idempotency_key, parse_json_body
 from outbox._driver import drive
 from outbox._idempotency import Claim, IdempotencyGuard, Mode, StoredResponse
+from outbox._web import (
+    PROBLEM_MEDIA_TYPE,
+    REPLAYED_HEADER,
+    Problem,
+    ReplayPolicy,
+    problem_type,
+)
 from outbox.contrib.django import conf
 from outbox.contrib.django.db import alias, connection_for, outbox_db, raw_connection
 from outbox.errors import (
@@ -70,7 +75,6 @@ from outbox.errors import (
     RequestBodyTooLarge,
     Unauthenticated,
 )
-from outbox.http import PROBLEM_MEDIA_TYPE, REPLAYED_HEADER, Problem, problem_type
 
 __all__ = [
     "Headers",
@@ -156,8 +160,9 @@ class _HeaderView:
         self.headers = Headers(request)
 
 
-def _as_starlette(request: Any) -> StarletteRequest:
-    return cast(StarletteRequest, _HeaderView(request))
+def _as_starlette(request: Any) -> _http.HasHeaders:
+    """The request as outbox._web's helpers read it (the name is historical)."""
+    return _HeaderView(request)
 
 
 # -- scopes -------------------------------------------------------------------------------
@@ -438,7 +443,11 @@ class Idempotency:
                                      "@idempotent() with parentheses")
         if mode not in (None, "atomic", "phased"):
             raise ConfigurationError(f"mode is 'atomic' or 'phased', not {mode!r}")
-        self.adapter: TypeAdapter[Any] | None = TypeAdapter(model) if model is not None else None
+        self.adapter: Any = None  # a pydantic TypeAdapter when `model` is given
+        if model is not None:
+            from pydantic import TypeAdapter  # only `model=` needs pydantic
+
+            self.adapter = TypeAdapter(model)
         self.serializer = serializer
         self.mode = mode
         self.scope = scope
@@ -448,11 +457,11 @@ class Idempotency:
         self.max_stored_body = max_stored_body
         self.stored_headers = tuple(stored_headers) if stored_headers is not None else None
         if self.stored_headers is not None:  # refuse Set-Cookie & co. now, not per request
-            _http.Idempotency(dict, stored_headers=self.stored_headers)
+            ReplayPolicy(stored_headers=self.stored_headers)
         self.fingerprint_headers = tuple(h.lower() for h in fingerprint_headers)
         self.same_request = same_request
         self.same_request_window = same_request_window
-        self._policies: dict[tuple[Any, ...], _http.Idempotency[Any]] = {}
+        self._policies: dict[tuple[Any, ...], ReplayPolicy] = {}
 
     # -- settings, per request -------------------------------------------------------
 
@@ -466,14 +475,14 @@ class Idempotency:
         return IdempotencyGuard(ttl=s.key_ttl, retention=s.key_retention,
                                 retry_after=s.retry_after)
 
-    def policy(self) -> _http.Idempotency[Any]:
+    def policy(self) -> ReplayPolicy:
         """outbox.http's stored-header and replay-size policy, for these settings."""
         s = self._settings()
         headers = self.stored_headers if self.stored_headers is not None else s.stored_headers
         cap = self.max_stored_body or s.max_stored_body
         found = self._policies.get((headers, cap))
         if found is None:
-            found = _http.Idempotency(dict, stored_headers=headers, max_stored_body=cap)
+            found = ReplayPolicy(stored_headers=headers, max_stored_body=cap)
             self._policies = {(headers, cap): found}
         return found
 
@@ -506,7 +515,11 @@ class Idempotency:
         if self.adapter is not None:
             try:
                 return self.adapter.validate_python(document)
-            except ValidationError as exc:
+            except Exception as exc:
+                from pydantic import ValidationError
+
+                if not isinstance(exc, ValidationError):
+                    raise
                 raise _schema_problem(_http._plain_errors(
                     {**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False))
                 ) from None

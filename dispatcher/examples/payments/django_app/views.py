@@ -25,6 +25,7 @@ from dispatcher.examples.payments.webhooks import sources_from_env
 from outbox import enqueue, ingest, ingest_many, parse_event, parse_event_batch
 from outbox._canonical import DEFAULT_MAX_BODY
 from outbox._config import make_engine
+from outbox._web import Problem, _plain_errors, _summarise, check_json_media_type
 from outbox.contrib.django.db import database_url
 from outbox.contrib.django.idempotency import (
     Headers,
@@ -35,7 +36,6 @@ from outbox.contrib.django.idempotency import (
     problem_response,
     read_body,
 )
-from outbox.http import Problem, _plain_errors, _summarise, check_json_media_type
 from outbox.webhooks import WebhookSources
 
 PAYMENT_ID: TypeAdapter[int] = TypeAdapter(Annotated[int, Field(ge=1, le=MAX_BIGINT)])
