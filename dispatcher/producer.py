@@ -2,7 +2,10 @@
 
 A claim is one autocommitted statement (no BEGIN or COMMIT round trip). The rescue
 of expired leases rides along only when it can matter (the last claim came up short,
-or a second passed): issue 17, off the hot path.
+or a second passed): issue 17, off the hot path. Its scan walks effects_in_flight_idx,
+which keeps an entry for every row claimed while the xmin horizon is held, so when a
+claim with the rescue grows slow the rescue is spaced out too: it takes at most
+FULL_SCAN_SHARE of the time (a dead worker's leases are then rescued a little later).
 
 The fresh scan resumes from a watermark (issue 17): the `(available_at, id)` of the
 last pending row this producer claimed, so that a claim does not step, from the head
@@ -13,7 +16,8 @@ another claim held locked is released, an ordering key's successor is unblocked)
 the producer claims without a watermark (a full scan, from the head):
 
 * whenever its last claim came up short: it has caught up, and the next claim looks
-  at the whole queue (cheap when the queue is short);
+  at the whole queue (cheap when the queue is short); at once, in the same call, when
+  a claim past the watermark found nothing (an empty claim ends a drain);
 * at least every `full_scan_every` seconds (FULL_SCAN_EVERY, 2 s, by default) under a
   saturated backlog, where every claim is full. When full scans themselves get slow
   (a long-held horizon) the period stretches so that they take at most
@@ -58,7 +62,8 @@ db_retry = retry(
 # this often (seconds); otherwise on every claim that came up short.
 RESCUE_EVERY = 1.0
 # Under a saturated backlog, a claim without the watermark (a full scan) at least this
-# often (seconds), and full scans at most this share of the time (see the docstring).
+# often (seconds), and full scans (and rescues) at most this share of the time (see the
+# docstring).
 FULL_SCAN_EVERY = 2.0
 FULL_SCAN_SHARE = 0.05
 
@@ -119,6 +124,7 @@ class Producer:
         self.full_scan_every = full_scan_every
         self._short = True  # the last claim took fewer rows than it asked for
         self._last_rescue = 0.0
+        self._rescue_took = 0.0  # seconds the last claim with the rescue took
         # Where the next fresh scan resumes (None: from the head: a full scan), and
         # when (time.monotonic()) a full scan is due even under a saturated backlog.
         self.watermark: Watermark | None = None
@@ -133,16 +139,46 @@ class Producer:
         last allowed attempt the sweep dead-lettered an effect never delivered). So a
         retry first takes back the rows holding this call's token.
         """
-        token = uuid.uuid4()
-        pids: list[int] = []  # backends of earlier tries
-        tries = [0]
         now = time.monotonic()
-        rescue = self._short or now - self._last_rescue >= RESCUE_EVERY
+        slow = self._rescue_took / FULL_SCAN_SHARE
+        if slow > RESCUE_EVERY:  # rescues got slow (a held horizon): spaced out
+            rescue = now - self._last_rescue >= slow
+        else:
+            rescue = self._short or now - self._last_rescue >= RESCUE_EVERY
         if rescue:
             self._last_rescue = now
         full = (self.watermark is None or self.full_scan_every <= 0
                 or now >= self._next_full_scan)
-        after = None if full else self.watermark
+        batch, took = self._claim_once(limit, rescue=rescue,
+                                       after=None if full else self.watermark)
+        if rescue:
+            self._rescue_took = took
+        if not full and not batch.rows:
+            # Nothing past the watermark: look behind it at once, not at the next claim
+            # (an empty claim ends a drain). Once per catching up: the next claims are
+            # full scans until a batch is full again.
+            full, now = True, time.monotonic()
+            batch, took = self._claim_once(limit, rescue=False, after=None)
+        if full:
+            self._next_full_scan = now + max(self.full_scan_every, took / FULL_SCAN_SHARE)
+        rows = batch.rows
+        self._short = len(rows) < limit
+        if self._short or self.full_scan_every <= 0:
+            self.watermark = None  # caught up: the next claim scans the whole queue
+        elif batch.watermark is not None:
+            self.watermark = batch.watermark
+        # else a full batch of rescued rows (or rows taken back after a lost reply):
+        # the watermark stays (any watermark is safe: the full scans cover behind it).
+        return rows
+
+    def _claim_once(self, limit: int, *, rescue: bool, after: Watermark | None
+                    ) -> tuple[ClaimBatch, float]:
+        """One claim statement, retried (`db_retry`) under one lease token; returns
+        the batch and the seconds it took (0.0 when it was retried: not a measure)."""
+        token = uuid.uuid4()
+        pids: list[int] = []  # backends of earlier tries
+        tries = [0]
+        t0 = time.monotonic()
 
         @db_retry
         def attempt() -> ClaimBatch:
@@ -151,18 +187,7 @@ class Producer:
                                    after=after)
 
         batch = attempt()
-        rows = batch.rows
-        self._short = len(rows) < limit
-        if full:
-            took = time.monotonic() - now if tries[0] == 1 else 0.0
-            self._next_full_scan = now + max(self.full_scan_every, took / FULL_SCAN_SHARE)
-        if self._short or self.full_scan_every <= 0:
-            self.watermark = None  # caught up: the next claim scans the whole queue
-        elif batch.watermark is not None:
-            self.watermark = batch.watermark
-        # else a full batch of rescued rows (or rows taken back after a lost reply):
-        # the watermark stays (any watermark is safe: the full scans cover behind it).
-        return rows
+        return batch, (time.monotonic() - t0 if tries[0] == 1 else 0.0)
 
     def _claim_try(self, limit: int, token: uuid.UUID, pids: list[int], *,
                    retry: bool, rescue: bool, after: Watermark | None) -> ClaimBatch:

@@ -184,6 +184,86 @@ def test_producer_resumes_from_its_watermark_and_scans_fully_when_short(
                  full_scan_every=math.nan)
 
 
+def test_producer_looks_behind_at_once_when_nothing_is_past_its_watermark(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty claim ends a drain: one past the watermark is followed, in the same
+    call, by a full scan, which finds a row that committed behind the watermark."""
+    add_effects(engine, keys("a", 10))
+    seen: list[Watermark | None] = []
+    real = sql.claim_batch
+
+    def spy(conn: Any, **kw: Any) -> sql.ClaimBatch:
+        seen.append(kw["after"])
+        return real(conn, **kw)
+
+    monkeypatch.setattr(sql, "claim_batch", spy)
+    p = Producer(engine, queue="default", worker_id="w", lease=30, clock=lambda: None,
+                 full_scan_every=60.0)
+    assert len(p.claim(10)) == 10  # full: the watermark is its last row
+    mark = p.watermark
+    assert mark is not None
+    with engine.begin() as conn:  # a row behind the watermark
+        conn.execute(text("INSERT INTO outbox.effects (effect_key, kind, payload,"
+                          " available_at) VALUES ('behind', 'noop', '{}',"
+                          " now() - interval '1 hour')"))
+    assert [r.effect_key for r in p.claim(10)] == ["behind"]
+    assert seen == [None, mark, None]
+
+
+def test_rescue_is_spaced_out_when_it_is_slow(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim with the rescue that took long (a held horizon bloats the in-flight
+    index it walks) spaces the next rescues to 1/FULL_SCAN_SHARE of that, even after
+    short claims; a fast one keeps the rescue on every short claim."""
+    from dispatcher.producer import FULL_SCAN_SHARE
+
+    rescues: list[bool] = []
+    monkeypatch.setattr(sql, "claim_batch",
+                        lambda conn, **kw: rescues.append(kw["rescue"]) or sql.ClaimBatch(
+                            [], None))
+    clock = [100.0]
+    monkeypatch.setattr("dispatcher.producer.time.monotonic", lambda: clock[0])
+    p = Producer(engine, queue="default", worker_id="w", lease=30, clock=lambda: None)
+    p.claim(10)
+    p.claim(10)  # short: rescue again
+    assert rescues == [True, True]
+    p._rescue_took = 0.5  # seconds: rescues every 0.5 / FULL_SCAN_SHARE = 10 s
+    clock[0] += 1.0
+    p.claim(10)
+    clock[0] += 0.5 / FULL_SCAN_SHARE
+    p.claim(10)
+    assert rescues == [True, True, False, True]
+
+
+def test_fenced_writes_do_not_walk_the_in_flight_index(engine: Engine) -> None:
+    """record_outcomes and extend_leases find their rows by primary key: through
+    effects_in_flight_idx (statistics saying nothing is in flight made it the cheap
+    plan) each walked every entry a held horizon kept there."""
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO outbox.effects (effect_key, kind, payload)"
+                          " SELECT 'f-' || g, 'noop', '{}' FROM generate_series(1, 20000) g"))
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+        c.execute(text("ANALYZE outbox.effects"))  # nothing in flight
+    with engine.begin() as conn:
+        rows = sql.claim_due(conn, queue="default", limit=100, owner="w", lease_seconds=30)
+    outs = [sql.Outcome(effect_id=r.id, lease_token=r.lease_token, attempt=r.attempts,
+                        outcome="delivered", next_status="delivered",
+                        started_at=r.created_at) for r in rows]
+    record = {"batch": sql._batch_json(outs), "worker": "w", "now": None}
+    extend = {"ids": [r.id for r in rows], "tokens": [r.lease_token for r in rows],
+              "secs": [30.0] * len(rows), "lease": 30.0, "now": None}
+    with engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        for statement, params in ((sql._RECORD, record), (sql._EXTEND, extend)):
+            [[doc]] = raw.execute("EXPLAIN (FORMAT JSON) " + statement.sql,
+                                  params).fetchall()
+            plan = (json.loads(doc) if isinstance(doc, str) else doc)[0]["Plan"]
+            names = {n.get("Index Name") for n in _plan_nodes(plan)}
+            assert "effects_in_flight_idx" not in names, json.dumps(plan, indent=1)
+            assert "effects_pkey" in names, json.dumps(plan, indent=1)
+
+
 # --------------------------------------------------------------------------- a real worker
 
 

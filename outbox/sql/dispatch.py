@@ -222,6 +222,13 @@ def backends_busy(conn: Any, pids: Sequence[int]) -> bool:
     return bool(sync_db(conn).execute(_BACKENDS_BUSY, {"pids": list(pids)}).scalar())
 
 
+# The fenced writes (`_EXTEND`, `_RECORD`) match a row by (id, lease_token) only, with
+# no `status = 'in_flight'`: the lease_iff_in_flight constraint makes a row with a
+# lease token in flight anyway, and that predicate let the planner read the rows
+# through effects_in_flight_idx (whose predicate it implies), estimated at a handful
+# of rows. While a transaction holds the xmin horizon that index keeps an entry for
+# every row claimed since (dead, not removable), and each record walked all of them:
+# its time grew with the time held (issue 17). Matched by id, the primary key it is.
 # `least(:lease, v.secs)`: a lease is never extended past its attempt's deadline (plus
 # a margin): the caller passes, per lease, the seconds left until then.
 _EXTEND = _sql(
@@ -230,7 +237,7 @@ _EXTEND = _sql(
        SET lease_expires_at = {_NOW} + make_interval(secs => least(:lease, v.secs))
       FROM unnest(CAST(:ids AS bigint[]), CAST(:tokens AS uuid[]),
                   CAST(:secs AS float8[])) AS v(id, token, secs)
-     WHERE e.id = v.id AND e.lease_token = v.token AND e.status = 'in_flight'
+     WHERE e.id = v.id AND e.lease_token = v.token
     RETURNING e.id
     """
 )
@@ -294,7 +301,7 @@ _RECORD = _sql(
                last_error = coalesce(v.error, e.last_error),
                result = coalesce(CAST(v.result AS jsonb), e.result)
           FROM v
-         WHERE e.id = v.id AND e.lease_token = v.token AND e.status = 'in_flight'
+         WHERE e.id = v.id AND e.lease_token = v.token  -- in flight: see `_EXTEND`
         RETURNING e.id, v.token
     )
     -- Join back on (id, token), not id alone: a stale outcome that shares a batch with
