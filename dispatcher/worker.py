@@ -25,6 +25,7 @@ import psycopg
 from sqlalchemy import Engine, make_url
 
 from dispatcher._core import Dispatcher
+from dispatcher.producer import FULL_SCAN_SHARE
 from outbox._config import NOTIFY_CHANNEL, call_timeout_of
 from outbox._connections import connect
 from outbox.retention import ScheduledRetention
@@ -114,16 +115,23 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
                   f"{application_name}-listener"),
         ).start()
     last_sweep = 0.0
+    sweep_gap = max(poll_interval, 5.0)
 
     def on_tick() -> None:
-        nonlocal last_sweep
-        if time.monotonic() - last_sweep >= max(poll_interval, 5.0):
+        nonlocal last_sweep, sweep_gap
+        if time.monotonic() - last_sweep >= sweep_gap:
             last_sweep = time.monotonic()
             try:
                 dead = sweep(dispatcher.engine)
             except Exception:
                 log.exception("sweep failed")
                 return
+            finally:
+                # The sweep runs on the loop's thread and walks effects_in_flight_idx,
+                # which a held xmin horizon fills with dead entries: at most
+                # FULL_SCAN_SHARE of the time, like the producer's full scans.
+                took = time.monotonic() - last_sweep
+                sweep_gap = max(poll_interval, 5.0, took / FULL_SCAN_SHARE)
             if dead:
                 log.warning("dead-lettered %d effects whose last lease expired", len(dead))
         retention.start_if_due(dispatcher.engine, stop)  # never blocks the loop
