@@ -51,11 +51,13 @@ from tests.process_support import (
     check_exactly_once,
     process_group,
     producer,
-    redis_or_skip,
     wait_all_final,
 )
 from tests.tcp_proxy import TcpProxy
-from tests.test_dispatcher_processes import REDIS_URL, ring
+from tests.test_dispatcher_processes import (
+    redis_broker,  # noqa: F401  (fixture: Redis db 13, ours alone; skipped without Redis)
+    ring,
+)
 from tests.test_faults import free_port, pg_upstream, scalar, via_proxy
 
 with warnings.catch_warnings():  # as in test_http: starlette would rather have httpx2
@@ -419,12 +421,6 @@ def procs(tmp_path: Path, psp_process: ReceiverProcess, db_url: str) -> Iterator
 def _redis(request: pytest.FixtureRequest) -> str:
     broker: str = request.getfixturevalue("redis_broker")
     return broker
-
-
-@pytest.fixture
-def redis_broker() -> str:
-    """As in test_dispatcher_processes: Redis db 13, ours alone; skipped without Redis."""
-    return redis_or_skip(REDIS_URL, flush=True)
 
 
 def worker_env(db_url: str, pg: TcpProxy | None, psp_url: str | None = None,
