@@ -90,6 +90,17 @@ def ring(app: Celery, queue: str, task_id: str | None = None, kick: bool = True)
                   task_id=task_id or str(uuid.uuid4()))
 
 
+def connected_workers(engine: Engine, procs: Procs, prefix: str, n: int, **options: Any
+                      ) -> list[str]:
+    """Start `n` standalone workers named `<prefix>-<i>` with `options` (as
+    `Procs.worker`); their names, once each holds a session on our database."""
+    names = [f"{prefix}-{i}" for i in range(n)]
+    for name in names:
+        procs.worker(name, **options)
+    wait_connected(engine, names)
+    return names
+
+
 def receiver_times(psp: ReceiverProcess, key: str) -> list[float]:
     return [d["received_at"] for d in psp.ledger(key)["deliveries"]]
 
@@ -101,10 +112,7 @@ def test_f16_eight_workers_deliver_every_effect_exactly_once(
         engine: Engine, procs: Procs, psp: ReceiverProcess) -> None:
     """8 worker processes compete over N effects: none lost, none claimed twice."""
     n = 20_000 if SOAK else 3_000
-    names = [f"f16-{i}" for i in range(8)]
-    for name in names:
-        procs.worker(name, concurrency=4, lease=30, poll=0.5)
-    wait_connected(engine, names)
+    connected_workers(engine, procs, "f16", 8, concurrency=4, lease=30, poll=0.5)
     expected = keys("f16", n)
     t0 = time.monotonic()
     add_effects(engine, expected, kind="psp.charge",
@@ -248,11 +256,8 @@ def test_f21_f23_misbehaving_receiver_for_one_key_among_thousands(
         spec = dict(rule)
         psp.set_mode(spec.pop("mode"), key=key, **spec)
     normal = keys("f21", n)
-    names = [f"f21-{i}" for i in range(4)]
-    for name in names:
-        procs.worker(name, concurrency=8, lease=10, poll=0.2,
-                     env={"OUTBOX_HTTP_TIMEOUT": "1"})
-    wait_connected(engine, names)
+    connected_workers(engine, procs, "f21", 4, concurrency=8, lease=10, poll=0.2,
+                      env={"OUTBOX_HTTP_TIMEOUT": "1"})
     t0 = time.monotonic()
     add_effects(engine, [*special, *normal], kind="psp.charge", max_attempts=cap,
                 payload=lambda i, k: {"amount": i}, chunk=1000)
@@ -514,10 +519,7 @@ def test_celery_worker_delivers_with_other_brokers(
 def test_f25_worker_sessions_terminated_while_acking(
         engine: Engine, procs: Procs, psp: ReceiverProcess) -> None:
     n = 2_000
-    names = [f"f25-{i}" for i in range(4)]
-    for name in names:
-        procs.worker(name, concurrency=8, lease=5, poll=0.2)
-    wait_connected(engine, names)
+    names = connected_workers(engine, procs, "f25", 4, concurrency=8, lease=5, poll=0.2)
     stop = threading.Event()
     terminated: list[tuple[str, str]] = []  # (state, statement) of each killed session
 
@@ -629,10 +631,7 @@ def test_f31_per_key_order_with_eight_workers(
     # Some deliveries fail or are applied-then-500 so that retries interleave.
     psp.set_mode("fail_500", path="/events", probability=0.05, seed=31)
     psp.set_mode("apply_then_500", path="/events", probability=0.03, seed=32)
-    names = [f"f31-{i}" for i in range(8)]
-    for name in names:
-        procs.worker(name, concurrency=4, lease=10, poll=0.2)
-    wait_connected(engine, names)
+    connected_workers(engine, procs, "f31", 8, concurrency=4, lease=10, poll=0.2)
     # Interleave the keys in enqueue order: key k's event s is row s * n_keys + k.
     all_keys = [f"f31-{s:02d}-{k:05d}" for s in range(events) for k in range(n_keys)]
     t0 = time.monotonic()
