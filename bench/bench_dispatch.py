@@ -65,6 +65,9 @@ from benchlib import pct  # noqa: E402
 
 DB = "bench_outbox"
 NOOP, HTTP, LAT = "bench.noop", "bench.http", "bench.lat"
+#: The same deliveries through AsyncHttpHandler (aiohttp, on the dispatcher's event loop).
+HTTP_ASYNC = "bench.http_async"
+HANDLER_NAMES = {NOOP: "noop", HTTP: "http", HTTP_ASYNC: "http_async"}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -432,7 +435,11 @@ def worker_main(argv: Sequence[str]) -> int:
     registry.register(NOOP, noop)
     registry.register(LAT, lat)
     if args.receiver:
+        from dispatcher.http_async import AsyncHttpHandler
+
         registry.register(HTTP, HttpHandler(f"{args.receiver}/charges", timeout=10.0))
+        registry.register(HTTP_ASYNC,
+                          AsyncHttpHandler(f"{args.receiver}/charges", timeout=10.0))
     emit({"ready": True, "pid": os.getpid()})
     for msg in _read_lines(sys.stdin):
         if msg["cmd"] == "exit":
@@ -533,7 +540,8 @@ class Bench:
     # -- work -------------------------------------------------------------------------
 
     def _prefill_for(self, handler: str, workers: int, batch: int) -> int:
-        guess = {NOOP: {1: 600, 10: 3000, 100: 7000}, HTTP: {1: 500, 10: 1500, 100: 2000}}
+        guess = {NOOP: {1: 600, 10: 3000, 100: 7000}, HTTP: {1: 500, 10: 1500, 100: 2000},
+                 HTTP_ASYNC: {1: 500, 10: 2500, 100: 4000}}
         seen = self.best_rate.get((handler, batch))
         est = seen * 1.8 if seen else guess[handler].get(batch, 5000) * min(workers, 2)
         window = self.args.warmup + self.args.duration + 1.5
@@ -578,7 +586,7 @@ class Bench:
         for handler in self.args.handlers:
             extra: list[str] = []
             roles: dict[int, str] = {}
-            if handler == HTTP:
+            if handler in (HTTP, HTTP_ASYNC):
                 from dispatcher.examples.payments.psp import ReceiverProcess
 
                 receiver = ReceiverProcess().start()
@@ -604,7 +612,7 @@ class Bench:
 
     def repeats(self, handler: str, workers: int, batch: int) -> int:
         key = (handler == NOOP and batch in (10, 100) and workers in (1, 2)) or (
-            handler == HTTP and batch == 10 and workers == 2)
+            handler in (HTTP, HTTP_ASYNC) and batch == 10 and workers == 2)
         return self.args.runs if key else 1
 
     def report_work(self, handler: str, workers: int, batch: int,
@@ -613,7 +621,7 @@ class Bench:
         med = statistics.median(rates)
         mr = min(runs, key=lambda r: abs(r["rate"] - med))
         row = {"bench": "outbox_dispatch", "section": "work",
-               "handler": "noop" if handler == NOOP else "http",
+               "handler": HANDLER_NAMES[handler],
                "workers": workers, "batch": batch, "concurrency": batch,
                "rate_median": med, "rates": rates,
                "delivered_in_window": mr["delivered_in_window"], "window_s": mr["window_s"],
@@ -792,7 +800,7 @@ class Bench:
     def summary(self, started: float, load_start: list[float], server: str) -> None:
         work = [r for r in self.results if r["section"] == "work"]
         out: dict[str, Any] = {"bench": "outbox_dispatch", "section": "summary"}
-        for h in ("noop", "http"):
+        for h in HANDLER_NAMES.values():
             rows = [r for r in work if r["handler"] == h]
             if not rows:
                 continue
@@ -858,7 +866,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced matrix, under 2 minutes")
     ap.add_argument("--sections", default="work,enqueue,latency",
                     help="any of work,enqueue,latency,peers")
-    ap.add_argument("--handlers", default="noop,http")
+    ap.add_argument("--handlers", default="noop,http,http_async")
     ap.add_argument("--workers", default=None, help="worker processes, e.g. 1,2,4,8")
     ap.add_argument("--batches", default=None, help="concurrency = max_batch, e.g. 1,10,100")
     ap.add_argument("--clients", default="1,4", help="enqueue client processes")
@@ -881,7 +889,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.runs = args.runs or (1 if q else 3)
     args.latency_seconds = args.latency_seconds or (4.0 if q else 10.0)
     args.latency_runs = args.latency_runs or (1 if q else 2)
-    args.handlers = [{"noop": NOOP, "http": HTTP}[h] for h in args.handlers.split(",")]
+    by_name = {v: k for k, v in HANDLER_NAMES.items()}
+    args.handlers = [by_name[h] for h in args.handlers.split(",")]
     if q:
         args.quiet_timeout = 0.0  # one 0.5 s sample: record how busy the box is, no wait
     sections = args.sections.split(",")

@@ -371,6 +371,13 @@ class Executor:
                 task.cancel()
             if tasks:
                 await asyncio.wait(tasks, timeout=5)
+            # Handlers that keep loop-bound resources (AsyncHttpHandler's session)
+            # close them on the loop they were made on, before it stops.
+            for registration in list(self.registry.handlers.values()):
+                aclose = getattr(registration.handler, "aclose", None)
+                if aclose is not None and inspect.iscoroutinefunction(aclose):
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(aclose(), 5)
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(10)

@@ -28,6 +28,7 @@ from tenacity import retry_if_exception_type, wait_fixed
 from dispatcher import Dispatcher, HttpHandler, Registry, RetryPolicy
 from dispatcher.examples.payments.psp import Receiver
 from dispatcher.handlers import EffectContext
+from dispatcher.http_async import AsyncHttpHandler
 from outbox.errors import (
     AmbiguousOutcome,
     PermanentFailure,
@@ -450,16 +451,25 @@ def psp() -> Iterator[Receiver]:
         yield receiver
 
 
-def _http_registry(url: str, timeout: float = 0.5) -> Registry:
+# The HTTP contract tests below run on both handlers (httpx in threads, aiohttp on the
+# dispatcher's event loop): one classification, whichever client delivers.
+HTTP_HANDLERS: dict[str, Any] = {"httpx": HttpHandler, "aiohttp": AsyncHttpHandler}
+
+
+@pytest.fixture(params=sorted(HTTP_HANDLERS))
+def http_cls(request: pytest.FixtureRequest) -> Any:
+    return HTTP_HANDLERS[request.param]
+
+
+def _http_registry(url: str, timeout: float = 0.5, cls: Any = HttpHandler) -> Registry:
     reg = Registry()
-    reg.register("psp.charge", HttpHandler(f"{url}/charges", timeout=timeout))
-    reg.register("psp.unsafe", HttpHandler(f"{url}/charges", timeout=timeout),
-                 retry_safe=False)
-    reg.register("refused", HttpHandler("http://127.0.0.1:9/charges", timeout=timeout))
+    reg.register("psp.charge", cls(f"{url}/charges", timeout=timeout))
+    reg.register("psp.unsafe", cls(f"{url}/charges", timeout=timeout), retry_safe=False)
+    reg.register("refused", cls("http://127.0.0.1:9/charges", timeout=timeout))
     return reg
 
 
-def test_f22_http_classification_table(engine: Engine, psp: Receiver) -> None:
+def test_f22_http_classification_table(engine: Engine, psp: Receiver, http_cls: Any) -> None:
     """Each receiver answer -> the attempt's outcome and the effect's next status (F22)."""
     date_in_30s = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
     # key: (rule, kind, expected attempt outcome, expected status, expected delay)
@@ -493,7 +503,8 @@ def test_f22_http_classification_table(engine: Engine, psp: Receiver) -> None:
         if rule is not None:
             psp.set_mode(rule.pop("mode"), key=key, **rule)
         add_effects(engine, [key], kind=kind, payload=lambda i, k: {"amount": i})
-    d = Dispatcher(engine, _http_registry(psp.url), concurrency=32, policy=NO_WAIT)
+    d = Dispatcher(engine, _http_registry(psp.url, cls=http_cls), concurrency=32,
+                   policy=NO_WAIT)
     try:
         d.drain(budget=10)
     finally:
@@ -508,8 +519,9 @@ def test_f22_http_classification_table(engine: Engine, psp: Receiver) -> None:
             got[r.effect_key] = (r.outcome, r.status,
                                  None if r.delay is None else round(float(r.delay)))
     expected = {k: (v[2], v[3], v[4]) for k, v in table.items()}
-    # An HTTP date has one-second resolution: accept 29-30 s.
-    if got.get("s429d", (None, None, None))[2] == 29:
+    # An HTTP date has one-second resolution, and it was computed before the drain
+    # began (seconds earlier on a loaded box): accept 25-30 s.
+    if 25 <= (got.get("s429d", (None, None, 0))[2] or 0) <= 29:
         got["s429d"] = (got["s429d"][0], got["s429d"][1], 30)
     assert got == expected
     with engine.connect() as conn:
@@ -523,15 +535,15 @@ def test_f22_http_classification_table(engine: Engine, psp: Receiver) -> None:
 
 
 def test_f21_ambiguous_outcome_is_retried_with_the_same_key_and_replayed(
-        engine: Engine, psp: Receiver) -> None:
+        engine: Engine, psp: Receiver, http_cls: Any) -> None:
     for key, mode in (("amb-timeout", "apply_then_timeout"), ("amb-500", "apply_then_500"),
                       ("amb-reset", "reset")):
         psp.set_mode(mode, key=key, times=1, **({"delay": 3} if mode != "reset" else {}))
     add_effects(engine, ["amb-timeout", "amb-500", "amb-reset"], kind="psp.charge")
     t0 = db_now(engine)
     clock = [t0 + timedelta(seconds=1)]
-    d = Dispatcher(engine, _http_registry(psp.url), concurrency=8, policy=NO_WAIT,
-                   clock=lambda: clock[0])
+    d = Dispatcher(engine, _http_registry(psp.url, cls=http_cls), concurrency=8,
+                   policy=NO_WAIT, clock=lambda: clock[0])
     try:
         d.drain(budget=10)
         assert status_counts(engine) == {"pending": 3}

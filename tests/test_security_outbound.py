@@ -8,6 +8,7 @@ records the Idempotency-Key and Authorization of each request), real PostgreSQL,
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -35,6 +36,7 @@ from tenacity import wait_fixed
 
 from dispatcher import Dispatcher, EffectContext, HttpHandler, Registry, RetryPolicy
 from dispatcher.cli import main
+from dispatcher.http_async import AsyncHttpHandler
 from outbox import Effect, enqueue, enqueue_many, ingest
 from outbox.errors import AmbiguousOutcome, InvalidInput, PermanentFailure
 from outbox.masking import MASKED, MaskingFilter
@@ -190,6 +192,29 @@ def effect_ctx(key: str, *, deadline_in: float = 30.0, attempt: int = 1) -> Effe
                          created_at=datetime.now(UTC))
 
 
+# Both HTTP handlers keep one contract: every test below that takes `http_cls` runs on
+# each (httpx, in the worker's threads; aiohttp, on the dispatcher's event loop).
+HTTP_HANDLERS = {"httpx": HttpHandler, "aiohttp": AsyncHttpHandler}
+
+
+@pytest.fixture(params=sorted(HTTP_HANDLERS))
+def http_cls(request: pytest.FixtureRequest) -> Any:
+    return HTTP_HANDLERS[request.param]
+
+
+def call(handler: Any, effect: EffectContext) -> Any:
+    """Run a handler as the dispatcher would: an async one on an event loop."""
+    result = handler(effect)
+    if asyncio.iscoroutine(result):
+        async def run() -> Any:
+            try:
+                return await result
+            finally:
+                await handler.aclose()
+        return asyncio.run(run())
+    return result
+
+
 def registry_of(kind: str, handler: Any, *, retry_safe: bool = True) -> Registry:
     reg = Registry()
     reg.register(kind, handler, retry_safe=retry_safe)
@@ -199,7 +224,8 @@ def registry_of(kind: str, handler: Any, *, retry_safe: bool = True) -> Registry
 def worker_registry() -> Registry:
     """For `outbox worker --handlers tests.test_security_outbound:worker_registry`."""
     reg = Registry()
-    reg.register("psp.charge", HttpHandler(os.environ["SECURITY_TEST_RECEIVER"], timeout=10))
+    cls = HTTP_HANDLERS[os.environ.get("SECURITY_TEST_HANDLER", "httpx")]
+    reg.register("psp.charge", cls(os.environ["SECURITY_TEST_RECEIVER"], timeout=10))
     return reg
 
 
@@ -208,13 +234,13 @@ def worker_registry() -> Registry:
 
 @pytest.mark.parametrize("retry_safe", [True, False], ids=["retry-safe", "not-retry-safe"])
 def test_a_trickling_receiver_ends_within_the_deadline_ambiguous_then_same_key(
-        engine: Engine, receiver: RawReceiver, retry_safe: bool) -> None:
+        engine: Engine, receiver: RawReceiver, retry_safe: bool, http_cls: Any) -> None:
     """One byte every 0.2 s never trips a per-read timeout of 1 s: the attempt ran as long
     as the receiver liked (20 s here, any time at all in the issue). Now the whole attempt
     ends at its 1 s deadline: ambiguous, retried with the same key (or parked for review
     when the kind is not retry-safe)."""
     receiver.plan = ["trickle"]
-    handler = HttpHandler(receiver.url(), timeout=1.0)
+    handler = http_cls(receiver.url(), timeout=1.0)
     with engine.begin() as conn:
         eid = enqueue(conn, "psp.charge", {"amount": 5}, key="trickle-1").id
     d = Dispatcher(engine, registry_of("psp.charge", handler, retry_safe=retry_safe),
@@ -239,13 +265,13 @@ def test_a_trickling_receiver_ends_within_the_deadline_ambiguous_then_same_key(
 
 
 def test_a_reply_trickling_its_body_is_cut_at_the_deadline_and_the_status_decides(
-        receiver: RawReceiver) -> None:
+        receiver: RawReceiver, http_cls: Any) -> None:
     """Once the status and headers are in, the receiver has answered: a body trickled
     past the deadline is cut there, and the 200 counts (body kept so far, truncated)."""
     receiver.plan = ["trickle_body"]
-    handler = HttpHandler(receiver.url(), timeout=1.0)
+    handler = http_cls(receiver.url(), timeout=1.0)
     t0 = time.monotonic()
-    summary = handler(effect_ctx("slow-body"))
+    summary = call(handler, effect_ctx("slow-body"))
     took = time.monotonic() - t0
     assert took < 1.0 + 0.5, took
     assert summary["status"] == 200 and summary["truncated"] is True
@@ -253,14 +279,14 @@ def test_a_reply_trickling_its_body_is_cut_at_the_deadline_and_the_status_decide
 
 
 def test_the_effects_deadline_bounds_the_attempt_below_the_handlers_timeout(
-        receiver: RawReceiver) -> None:
+        receiver: RawReceiver, http_cls: Any) -> None:
     """The handler's timeout is 30 s, but the attempt's deadline (from its lease) comes
     first: the earlier of the two ends it."""
     receiver.plan = ["trickle"]
-    handler = HttpHandler(receiver.url(), timeout=30.0)
+    handler = http_cls(receiver.url(), timeout=30.0)
     t0 = time.monotonic()
     with pytest.raises(AmbiguousOutcome, match="deadline"):
-        handler(effect_ctx("lease-bound", deadline_in=0.8))
+        call(handler, effect_ctx("lease-bound", deadline_in=0.8))
     assert time.monotonic() - t0 < 0.8 + 0.5
 
 
@@ -272,7 +298,8 @@ def _rss(proc: psutil.Process) -> int:
 
 
 def test_a_huge_reply_does_not_grow_the_worker_and_the_stored_result_is_bounded(
-        engine: Engine, db_url: str, receiver: RawReceiver, tmp_path: Path) -> None:
+        engine: Engine, db_url: str, receiver: RawReceiver, tmp_path: Path,
+        http_cls: Any) -> None:
     """A 300 MiB reply grew the worker by ~300 MiB (read whole, then decoded). Now the
     real `outbox worker` reads a 64 KiB prefix, closes the connection and stores 512
     characters of it: its RSS, sampled through the whole delivery, stays within a few
@@ -280,6 +307,7 @@ def test_a_huge_reply_does_not_grow_the_worker_and_the_stored_result_is_bounded(
     receiver.plan = ["ok", "huge"]
     env = {**os.environ, "DATABASE_URL": db_url, "PYTHONPATH": str(ROOT),
            "SECURITY_TEST_RECEIVER": receiver.url(), "OUTBOX_RETENTION": "off",
+           "SECURITY_TEST_HANDLER": next(k for k, v in HTTP_HANDLERS.items() if v is http_cls),
            "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
@@ -350,14 +378,15 @@ def _all_span_text(key: str) -> str:
 
 
 def test_credentials_in_the_receiver_url_reach_no_error_attempt_span_or_cli_output(
-        engine: Engine, receiver: RawReceiver, capsys: pytest.CaptureFixture[str]) -> None:
+        engine: Engine, receiver: RawReceiver, capsys: pytest.CaptureFixture[str],
+        http_cls: Any) -> None:
     """`http://user:S3cr3t@host` leaked into last_error, attempts, span events and
     `outbox trace`. The handler now sends the credentials as `Authorization: Basic` and
     names the URL without them; a custom handler's error quoting such a URL is
     redacted before it is stored or traced."""
     span_exporter()
     receiver.default = "status:500"
-    handler = HttpHandler(receiver.url(userinfo=f"user:{SECRET}@"), timeout=5)
+    handler = http_cls(receiver.url(userinfo=f"user:{SECRET}@"), timeout=5)
 
     def custom(effect: EffectContext) -> Any:
         raise RuntimeError(f"POST https://svc:{SECRET}@hooks.example/x?token={SECRET} "
@@ -442,12 +471,13 @@ def test_good_keys_and_kinds_pass(engine: Engine) -> None:
     assert (a.inserted, b.inserted, c.inserted) == (True, True, True)
 
 
-def test_a_stored_bad_key_fails_permanently_at_once(receiver: RawReceiver) -> None:
+def test_a_stored_bad_key_fails_permanently_at_once(receiver: RawReceiver,
+                                                   http_cls: Any) -> None:
     """A row written before enqueue checked keys: one permanent failure, not 25
     ambiguous retries; nothing is sent."""
-    handler = HttpHandler(receiver.url(), timeout=2)
+    handler = http_cls(receiver.url(), timeout=2)
     with pytest.raises(PermanentFailure, match="effect key"):
-        handler(effect_ctx("bad\r\nkey"))
+        call(handler, effect_ctx("bad\r\nkey"))
     assert receiver.seen == []
 
 

@@ -34,6 +34,7 @@ from sqlalchemy.pool import NullPool
 import outbox._enqueue
 from dispatcher import Dispatcher, EffectContext, HttpHandler, Registry
 from dispatcher.examples.payments.psp import Receiver
+from dispatcher.http_async import AsyncHttpHandler
 from dispatcher.metrics import QueueGauges, register_queue_gauges
 from outbox import enqueue
 from outbox._telemetry import DURATION_BUCKETS, LAG_BUCKETS
@@ -158,12 +159,14 @@ def test_trace_runs_from_request_to_receiver_and_attempt_row(engine: Engine) -> 
         (1, "delivered", request_trace)]
 
 
-def test_every_attempt_is_its_own_span_in_the_same_trace(engine: Engine) -> None:
+@pytest.mark.parametrize("http_cls", [HttpHandler, AsyncHttpHandler], ids=["httpx", "aiohttp"])
+def test_every_attempt_is_its_own_span_in_the_same_trace(engine: Engine,
+                                                         http_cls: Any) -> None:
     exporter = span_exporter()
     exporter.clear()
     with Receiver() as psp:
         registry = Registry()
-        registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=5.0))
+        registry.register("psp.charge", http_cls(f"{psp.url}/charges", timeout=5.0))
         with trace.get_tracer("tests.request").start_as_current_span("POST /payments"), \
                 engine.begin() as conn:
             enq = enqueue(conn, "psp.charge", {"payment_id": "p-2", "amount": 5}, queue=QUEUE)
