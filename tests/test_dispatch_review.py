@@ -13,7 +13,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +41,15 @@ from tests.otel_helpers import span_exporter
 from tests.tcp_proxy import TcpProxy
 from tests.test_faults import pg_upstream, via_proxy
 
+
+def _drain_then_shut_down(d: Dispatcher, budget: float) -> None:
+    """One drain; the Dispatcher is shut down after it whatever the drain did."""
+    try:
+        d.drain(budget=budget)
+    finally:
+        d.shutdown(0)
+
+
 # --------------------------------------------------------------------------- item 3
 
 
@@ -66,11 +75,7 @@ def test_async_handler_runs_before_the_delivery_is_recorded(engine: Engine) -> N
 
     expected = keys("async", 6)
     add_effects(engine, expected, kind="async")
-    d = Dispatcher(engine, reg, concurrency=3)
-    try:
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
+    _drain_then_shut_down(Dispatcher(engine, reg, concurrency=3), budget=10)
     assert status_counts(engine) == {"delivered": 6}
     assert ran == dict.fromkeys(expected, 1)
     assert len(loops) == 1
@@ -94,11 +99,7 @@ def test_a_sync_handler_returning_an_awaitable_is_awaited(engine: Engine) -> Non
     reg = Registry()
     reg.register("wrapped", lambda e: work(e))
     add_effects(engine, ["wrapped-1"], kind="wrapped")
-    d = Dispatcher(engine, reg)
-    try:
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
+    _drain_then_shut_down(Dispatcher(engine, reg), budget=10)
     assert ran == ["wrapped-1"]
     assert effect_row(engine, "wrapped-1").result == {"ok": True}
 
@@ -143,27 +144,33 @@ def test_async_handler_failures_are_classified_like_sync_ones(engine: Engine) ->
     assert (a.outcome, a.http_status) == ("failed", 422)
 
 
-def test_async_handler_past_its_deadline_is_cancelled_as_ambiguous(engine: Engine) -> None:
-    """`EffectContext.deadline` bounds an async handler: it is cancelled there, and the
-    attempt is ambiguous (the request may be out), so a retry-unsafe one is parked."""
-    cancelled = threading.Event()
-
-    async def hangs(effect: EffectContext) -> None:
+def _sleeps_until_cancelled(cancelled: threading.Event,
+                            started: threading.Event | None = None
+                            ) -> Callable[[EffectContext], Awaitable[None]]:
+    """An async handler that sleeps a minute: it sets `started` (if given) when it runs,
+    and `cancelled` when it is cancelled, and lets the cancellation through."""
+    async def sleeps(effect: EffectContext) -> None:
+        if started is not None:
+            started.set()
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
             cancelled.set()
             raise
 
+    return sleeps
+
+
+def test_async_handler_past_its_deadline_is_cancelled_as_ambiguous(engine: Engine) -> None:
+    """`EffectContext.deadline` bounds an async handler: it is cancelled there, and the
+    attempt is ambiguous (the request may be out), so a retry-unsafe one is parked."""
+    cancelled = threading.Event()
     reg = Registry()
-    reg.register("hangs", hangs, retry_safe=False)
+    reg.register("hangs", _sleeps_until_cancelled(cancelled), retry_safe=False)
     [eid] = add_effects(engine, ["a-hangs"], kind="hangs")
     d = Dispatcher(engine, reg, lease=1.0)  # deadline: 0.8 s after the start
     t = time.monotonic()
-    try:
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
+    _drain_then_shut_down(d, budget=10)
     assert cancelled.is_set()
     assert time.monotonic() - t < 10
     assert effect_row(engine, "a-hangs").status == "needs_review"
@@ -175,17 +182,8 @@ def test_shutdown_cancels_async_deliveries_it_releases(engine: Engine) -> None:
     """A released async delivery is cancelled (not left running on a loop nobody
     stops), and its late outcome is not recorded over the release."""
     started, cancelled = threading.Event(), threading.Event()
-
-    async def slow(effect: EffectContext) -> None:
-        started.set()
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
     reg = Registry()
-    reg.register("slow", slow)
+    reg.register("slow", _sleeps_until_cancelled(cancelled, started))
     [eid] = add_effects(engine, ["a-slow"], kind="slow")
     d = Dispatcher(engine, reg, lease=120)
     assert d.fill() == 1
@@ -202,19 +200,27 @@ def test_shutdown_cancels_async_deliveries_it_releases(engine: Engine) -> None:
 # --------------------------------------------------------------------------- item 4
 
 
+def _always_raising(kind: str, error: Callable[[], BaseException]
+                    ) -> tuple[Registry, list[int]]:
+    """A registry whose one handler, for `kind`, raises `error()` on every call, and
+    the one-item list that counts its calls."""
+    calls = [0]
+
+    def raises(effect: EffectContext) -> None:
+        calls[0] += 1
+        raise error()
+
+    reg = Registry()
+    reg.register(kind, raises)
+    return reg, calls
+
+
 @pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt])
 def test_base_exception_from_a_handler_counts_toward_the_cap(
         engine: Engine, exc: type[BaseException]) -> None:
     """SystemExit/KeyboardInterrupt skipped the policy: back to pending, forever."""
     cap = 2
-    calls = [0]
-
-    def dies(effect: EffectContext) -> None:
-        calls[0] += 1
-        raise exc("handler gave up")
-
-    reg = Registry()
-    reg.register("dies", dies)
+    reg, calls = _always_raising("dies", lambda: exc("handler gave up"))
     [eid] = add_effects(engine, ["dies"], kind="dies", max_attempts=cap)
     clock = [db_now(engine)]
     d = Dispatcher(engine, reg, policy=RetryPolicy(wait=wait_fixed(5)),
@@ -239,14 +245,7 @@ class _BrokenPolicy(RetryPolicy):
 
 def test_a_crashed_delivery_is_dead_lettered_at_the_cap(engine: Engine) -> None:
     """When deciding itself fails, the fallback retried without looking at the cap."""
-    calls = [0]
-
-    def fails(effect: EffectContext) -> None:
-        calls[0] += 1
-        raise TransientFailure("receiver down")
-
-    reg = Registry()
-    reg.register("fails", fails)
+    reg, calls = _always_raising("fails", lambda: TransientFailure("receiver down"))
     [eid] = add_effects(engine, ["crash-cap"], kind="fails", max_attempts=1)
     clock = [db_now(engine)]
     d = Dispatcher(engine, reg, policy=_BrokenPolicy(), clock=lambda: clock[0])
@@ -275,28 +274,29 @@ def _blocking(release: threading.Event, calls: list[str], *,
     return reg
 
 
+def _release_mid_delivery(d: Dispatcher, release: threading.Event) -> None:
+    """Claim the one effect, then shut down while its handler still blocks: the
+    shutdown releases it; `release` lets the handler return after."""
+    try:
+        assert d.fill() == 1
+        d.shutdown(grace=0.1)
+    finally:
+        release.set()
+
+
 def test_shutdown_release_on_the_last_attempt_dead_letters(engine: Engine) -> None:
     """A release sent the effect back to pending whatever its attempts: one more
     attempt than the cap per shutdown mid-delivery."""
     release, calls = threading.Event(), list[str]()
     reg = _blocking(release, calls)
     [eid] = add_effects(engine, ["release-cap"], kind="block", max_attempts=1)
-    d = Dispatcher(engine, reg)
-    try:
-        assert d.fill() == 1
-        d.shutdown(grace=0.1)
-    finally:
-        release.set()
+    _release_mid_delivery(Dispatcher(engine, reg), release)
     row = effect_row(engine, "release-cap")
     assert (row.status, row.attempts, row.lease_token) == ("failed", 1, None)
     [a] = attempts_of(engine, eid)
     assert a.outcome == "failed" and a.error.startswith("released")
     # A fresh worker finds nothing to run: the handler ran once, as the cap says.
-    again = Dispatcher(engine, reg)
-    try:
-        again.drain(budget=2)
-    finally:
-        again.shutdown(0)
+    _drain_then_shut_down(Dispatcher(engine, reg), budget=2)
     assert calls == ["release-cap"]
     assert effect_row(engine, "release-cap").attempts == 1
 
@@ -323,12 +323,7 @@ def test_shutdown_release_of_an_unsafe_handler_on_its_last_attempt_is_parked(
     release, calls = threading.Event(), list[str]()
     reg = _blocking(release, calls, retry_safe=False)
     [eid] = add_effects(engine, ["release-unsafe"], kind="block", max_attempts=1)
-    d = Dispatcher(engine, reg)
-    try:
-        assert d.fill() == 1
-        d.shutdown(grace=0.1)
-    finally:
-        release.set()
+    _release_mid_delivery(Dispatcher(engine, reg), release)
     assert effect_row(engine, "release-unsafe").status == "needs_review"
     assert [a.outcome for a in attempts_of(engine, eid)] == ["ambiguous"]
 
