@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dispatcher._core import Dispatcher
     from dispatcher.handlers import EffectContext, HttpHandler, Registry, load_registry
+    from dispatcher.http_async import AsyncHttpHandler
     from dispatcher.policy import Decision, RetryPolicy
 
 _WHERE = {
+    "AsyncHttpHandler": "dispatcher.http_async",
     "Dispatcher": "dispatcher._core",
     "EffectContext": "dispatcher.handlers",
     "HttpHandler": "dispatcher.handlers",
@@ -35,6 +37,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AsyncHttpHandler",
     "Decision",
     "Dispatcher",
     "EffectContext",
