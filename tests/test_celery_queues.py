@@ -36,12 +36,12 @@ from tests.process_support import (
     AMQP_URL,
     Proc,
     Procs,
-    check_exactly_once,
     process_group,
     producer,
     redis_or_skip,
     wait_all_final,
 )
+from tests.test_dispatcher_processes import check_exactly_once
 
 # Not the db the F-tests flush before each test: a parallel run of theirs must not
 # wipe our queues (each worker here has its own queue name, so nothing is shared).

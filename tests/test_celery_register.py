@@ -28,7 +28,7 @@ from dispatcher._core import Dispatcher
 from dispatcher.examples.payments.psp import ReceiverProcess
 from dispatcher.handlers import Registry
 from tests.dispatch_support import add_effects, keys, wait_until
-from tests.process_support import BIN, HANDLERS, Procs, check_exactly_once
+from tests.process_support import BIN, HANDLERS, Procs
 from tests.test_celery_queues import (
     REDIS_URL,
     procs,  # noqa: F401  (fixture)
@@ -37,6 +37,7 @@ from tests.test_celery_queues import (
     wait_delivered,
     wait_ready,
 )
+from tests.test_dispatcher_processes import check_exactly_once
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ from tests.process_support import (
     AMQP_URL,
     ROOT,
     Procs,
-    check_exactly_once,
     process_group,
     producer,
     redis_or_skip,
@@ -88,6 +87,49 @@ def redis_broker() -> str:
 def ring(app: Celery, queue: str, task_id: str | None = None, kick: bool = True) -> None:
     app.send_task("outbox.drain", args=["default"], kwargs={"kick": kick}, queue=queue,
                   task_id=task_id or str(uuid.uuid4()))
+
+
+def check_exactly_once(engine: Engine, psp: ReceiverProcess, expected: Sequence[str],
+                       *, single_attempt: bool = True) -> dict[str, Any]:
+    """H10 checker: every expected effect delivered and applied exactly once.
+
+    With `single_attempt` (fault-free runs) also: one claim per effect, one attempt row,
+    one delivery at the receiver per key (a double claim would show up in all three).
+    """
+    stats = psp.assert_exactly_once(expected, allow_extra=False)
+    with engine.connect() as conn:
+        bad = conn.execute(text(
+            "SELECT effect_key, status FROM outbox.effects"
+            " WHERE effect_key = ANY(:k) AND status <> 'delivered' LIMIT 10"),
+            {"k": list(expected)}).all()
+        assert bad == [], f"not delivered: {bad}"
+        # Attempt rows vs the counter: a recorded attempt never exceeds the claims.
+        over = conn.execute(text(
+            "SELECT e.effect_key, e.attempts, count(a.id) AS rows FROM outbox.effects e"
+            " JOIN outbox.attempts a ON a.effect_id = e.id AND a.outcome <> 'lease_lost'"
+            " GROUP BY e.id HAVING count(a.id) > e.attempts LIMIT 10")).all()
+        assert over == [], f"more recorded attempts than claims: {over}"
+        # No two claims of one effect overlapped in time (a double claim).
+        overlap = conn.execute(text(
+            "SELECT a.effect_id, a.worker, b.worker FROM outbox.attempts a"
+            " JOIN outbox.attempts b ON a.effect_id = b.effect_id AND a.id < b.id"
+            " WHERE a.outcome <> 'lease_lost' AND b.outcome <> 'lease_lost'"
+            "   AND a.started_at < b.finished_at AND b.started_at < a.finished_at"
+            " LIMIT 10")).all()
+        assert overlap == [], f"overlapping attempts: {overlap}"
+        if single_attempt:
+            multi = conn.execute(text(
+                "SELECT e.effect_key, e.attempts FROM outbox.effects e"
+                " WHERE e.attempts <> 1 LIMIT 10")).all()
+            assert multi == [], f"claimed more than once: {multi}"
+            rows = conn.execute(text(
+                "SELECT count(*) FILTER (WHERE outcome = 'delivered'), count(*)"
+                " FROM outbox.attempts")).one()
+            assert tuple(rows) == (len(expected), len(expected))
+    if single_attempt:
+        assert stats["deliveries"] == len(expected)
+        assert stats["keys_delivered_more_than_once"] == 0
+    return stats
 
 
 def connected_workers(engine: Engine, procs: Procs, prefix: str, n: int, **options: Any

@@ -54,8 +54,9 @@ from outbox._config import make_engine, normalize_url
 from outbox._idempotency import Mode
 from outbox.sql import dispatch as dispatch_sql
 from tests.dispatch_support import add_effects, keys, status_counts, summarize, wait_until
-from tests.process_support import Procs, check_exactly_once, process_group, wait_connected
+from tests.process_support import Procs, process_group, wait_connected
 from tests.tcp_proxy import TcpProxy
+from tests.test_dispatcher_processes import check_exactly_once
 from tests.test_http import serving
 
 with warnings.catch_warnings():  # as in test_http: starlette would rather have httpx2

@@ -48,13 +48,13 @@ from tests.dispatch_support import (
 )
 from tests.process_support import (
     Procs,
-    check_exactly_once,
     process_group,
     producer,
     wait_all_final,
 )
 from tests.tcp_proxy import TcpProxy
 from tests.test_dispatcher_processes import (
+    check_exactly_once,
     redis_broker,  # noqa: F401  (fixture: Redis db 13, ours alone; skipped without Redis)
     ring,
 )
