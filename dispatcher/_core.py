@@ -268,7 +268,10 @@ class Dispatcher:
             item = _InFlight(row, now, self.executor.deadline(now))
             with self._lock:
                 self._inflight[row.id] = item
-            future = submit(self._deliver, row, now)
+            # An async handler's delivery is a task of the event loop (no pool thread
+            # waits for it); a sync one runs on a pool thread.
+            future = (self.executor.submit_async(row, now)
+                      if self.executor.runs_on_loop(row.kind) else submit(self._deliver, row, now))
             item.future = future
             future.add_done_callback(functools.partial(finished, row))
         return len(rows)
