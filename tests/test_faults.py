@@ -46,7 +46,6 @@ from sqlalchemy.pool import QueuePool
 from dispatcher._core import Dispatcher
 from dispatcher.examples.payments.app import create_app
 from dispatcher.examples.payments.psp import Receiver, ReceiverProcess
-from dispatcher.examples.payments.schema import ensure_schema
 from dispatcher.handlers import EffectContext, Handler, HttpHandler, Registry
 from dispatcher.worker import run_worker
 from outbox import Effect, _migrate, enqueue_many
@@ -54,6 +53,7 @@ from outbox._config import make_engine, normalize_url
 from outbox._idempotency import Mode
 from outbox.sql import dispatch as dispatch_sql
 from tests.dispatch_support import add_effects, keys, status_counts, summarize, wait_until
+from tests.http_support import payments_schema
 from tests.process_support import Procs, process_group, wait_connected
 from tests.tcp_proxy import TcpProxy
 from tests.test_dispatcher_processes import check_exactly_once
@@ -73,10 +73,7 @@ CLIENT = {"Authorization": "Bearer faults-client"}  # the example's open demo mo
 
 @pytest.fixture
 def payments_db(engine: Engine) -> Iterator[Engine]:
-    ensure_schema(engine)
-    yield engine
-    with engine.begin() as conn:
-        conn.execute(text("TRUNCATE payments.payments RESTART IDENTITY"))
+    yield from payments_schema(engine)
 
 
 def pg_upstream(db_url: str) -> tuple[str, int] | str:

@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,7 +35,6 @@ from starlette.responses import JSONResponse, Response
 
 from dispatcher.examples.payments.app import create_app
 from dispatcher.examples.payments.auth import BearerTokens
-from dispatcher.examples.payments.schema import ensure_schema
 from outbox import Claim, IdempotencyGuard
 from outbox._canonical import fingerprint
 from outbox._config import make_engine
@@ -52,10 +50,7 @@ from outbox.http import (
     anonymous_scope,
     install_problem_handlers,
 )
-
-with warnings.catch_warnings():  # starlette would rather have `httpx2`; httpx works
-    warnings.simplefilter("ignore")
-    from starlette.testclient import TestClient
+from tests.http_support import TestClient, payments_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES: list[Mode] = ["atomic", "phased"]
@@ -73,10 +68,7 @@ MiB = 1_048_576
 
 @pytest.fixture
 def payments_db(engine: Engine) -> Iterator[Engine]:
-    ensure_schema(engine)
-    yield engine
-    with engine.begin() as conn:
-        conn.execute(text("TRUNCATE payments.payments RESTART IDENTITY"))
+    yield from payments_schema(engine)
 
 
 @pytest.fixture(params=MODES)

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -32,7 +31,6 @@ from sqlalchemy import Engine, text
 
 from dispatcher.examples.payments.app import create_app
 from dispatcher.examples.payments.auth import BearerTokens
-from dispatcher.examples.payments.schema import ensure_schema
 from outbox import ingest
 from outbox._inbox import (
     MAX_CONFLICT_COPIES,
@@ -49,11 +47,8 @@ from outbox.webhooks import (
     WebhookSources,
     parse_secrets,
 )
+from tests.http_support import TestClient, payments_schema
 from tests.otel_helpers import counter_points, metric_reader
-
-with warnings.catch_warnings():  # starlette would rather have `httpx2`; httpx works
-    warnings.simplefilter("ignore")
-    from starlette.testclient import TestClient
 
 ROOT = Path(__file__).resolve().parents[1]
 AUTH = BearerTokens({"test-token": "tester"})
@@ -130,10 +125,7 @@ NOTHING = dict.fromkeys(TABLES, 0)
 
 @pytest.fixture
 def payments_db(engine: Engine) -> Iterator[Engine]:
-    ensure_schema(engine)
-    yield engine
-    with engine.begin() as conn:
-        conn.execute(text("TRUNCATE payments.payments RESTART IDENTITY"))
+    yield from payments_schema(engine)
 
 
 @pytest.fixture
