@@ -128,8 +128,12 @@ class EffectAdmin(_ReadOnly):
 
     has_cancel_permission = has_retry_permission
 
-    def _report(self, request: HttpRequest, verb: str, asked: list[int], done: list[int],
-                rule: str) -> None:
+    def _apply(self, request: HttpRequest, queryset: QuerySet[Effect], statement: Any,
+               verb: str, rule: str) -> None:
+        """Run `statement` (one of the CLI's, outbox/sql/effects.py) on the selected
+        effects, then report what it did and what it refused (`rule` says why)."""
+        asked = list(queryset.values_list("id", flat=True))
+        done = _run(asked, statement)
         if done:
             self.message_user(request, f"{verb} {len(done)} effect(s): "
                               f"{', '.join(f'#{i}' for i in sorted(done)[:50])}",
@@ -142,18 +146,14 @@ class EffectAdmin(_ReadOnly):
     @admin.action(description="Retry: requeue with a fresh set of attempts",
                   permissions=["retry"])
     def retry(self, request: HttpRequest, queryset: QuerySet[Effect]) -> None:
-        asked = list(queryset.values_list("id", flat=True))
-        done = _run(asked, lambda conn, ids: fx.requeue(conn, ids))
-        self._report(request, "requeued", asked, done,
-                     "only failed, needs-review or cancelled effects are retried")
+        self._apply(request, queryset, lambda conn, ids: fx.requeue(conn, ids), "requeued",
+                    "only failed, needs-review or cancelled effects are retried")
 
     @admin.action(description="Cancel: never deliver (not in flight, not delivered)",
                   permissions=["cancel"])
     def cancel(self, request: HttpRequest, queryset: QuerySet[Effect]) -> None:
-        asked = list(queryset.values_list("id", flat=True))
-        done = _run(asked, lambda conn, ids: fx.cancel(conn, ids))
-        self._report(request, "cancelled", asked, done,
-                     "in-flight effects may already be applied; delivered ones are done")
+        self._apply(request, queryset, lambda conn, ids: fx.cancel(conn, ids), "cancelled",
+                    "in-flight effects may already be applied; delivered ones are done")
 
 
 @admin.register(Attempt)
