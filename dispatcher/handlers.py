@@ -220,6 +220,23 @@ def _summary(status: int, body: str, truncated: bool) -> dict[str, Any]:
     return out
 
 
+def classify_reply(status: int, body: str, truncated: bool, retry_after: str | None,
+                   shown_url: str) -> dict[str, Any]:
+    """The receiver's answer as an outcome, for every HTTP handler: 2xx returns the
+    stored summary; 408/409/425/429 and 5xx raise a retry (RetryAfter when the reply
+    says when); any other status raises PermanentFailure."""
+    summary = _summary(status, body, truncated)
+    if 200 <= status < 300:
+        return summary
+    message = f"HTTP {status} from {shown_url}"
+    if status in RETRYABLE_STATUSES or status >= 500:
+        delay = _retry_after_seconds(retry_after)
+        if delay is not None:
+            raise RetryAfter(delay, message, http_status=status, detail=summary)
+        raise TransientFailure(message, http_status=status, detail=summary)
+    raise PermanentFailure(message, http_status=status, detail=summary)
+
+
 class HttpHandler:
     """POST the payload as JSON with `Idempotency-Key: <effect key>`.
 
@@ -302,16 +319,7 @@ class HttpHandler:
                                    ) from exc
         finally:
             _deadline.at = previous
-        summary = _summary(status, body, truncated)
-        if 200 <= status < 300:
-            return summary
-        message = f"HTTP {status} from {self._shown_url}"
-        if status in RETRYABLE_STATUSES or status >= 500:
-            delay = _retry_after_seconds(retry_after)
-            if delay is not None:
-                raise RetryAfter(delay, message, http_status=status, detail=summary)
-            raise TransientFailure(message, http_status=status, detail=summary)
-        raise PermanentFailure(message, http_status=status, detail=summary)
+        return classify_reply(status, body, truncated, retry_after, self._shown_url)
 
     def _read_prefix(self, response: httpx.Response, deadline: float) -> tuple[str, bool]:
         """The reply's first `max_reply_bytes`, decoded; True if more was left unread.

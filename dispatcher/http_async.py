@@ -28,13 +28,7 @@ import aiohttp
 from opentelemetry import propagate
 from yarl import URL
 
-from dispatcher.handlers import (
-    MAX_REPLY_BYTES,
-    RETRYABLE_STATUSES,
-    EffectContext,
-    _retry_after_seconds,
-    _summary,
-)
+from dispatcher.handlers import MAX_REPLY_BYTES, EffectContext, classify_reply
 from outbox._enqueue import check_effect_key
 from outbox._redact import redact_secrets
 from outbox.errors import (
@@ -42,7 +36,6 @@ from outbox.errors import (
     ConfigurationError,
     InvalidInput,
     PermanentFailure,
-    RetryAfter,
     TransientFailure,
 )
 
@@ -151,16 +144,7 @@ class AsyncHttpHandler:
             body, truncated = await self._read_prefix(response, deadline)
         finally:
             response.close()  # an unread rest is never read: the connection is dropped
-        summary = _summary(status, body, truncated)
-        if 200 <= status < 300:
-            return summary
-        message = f"HTTP {status} from {self._shown_url}"
-        if status in RETRYABLE_STATUSES or status >= 500:
-            delay = _retry_after_seconds(retry_after)
-            if delay is not None:
-                raise RetryAfter(delay, message, http_status=status, detail=summary)
-            raise TransientFailure(message, http_status=status, detail=summary)
-        raise PermanentFailure(message, http_status=status, detail=summary)
+        return classify_reply(status, body, truncated, retry_after, self._shown_url)
 
     async def _read_prefix(self, response: aiohttp.ClientResponse, deadline: float
                            ) -> tuple[str, bool]:
