@@ -350,11 +350,10 @@ class IdempotencyGuard:
 
     def _begin(self, scope: str, key: str, fingerprint: str, business: str | None = None,
                window: float = DEFAULT_SAME_REQUEST_WINDOW) -> Flow:
-        locked, row = yield sql.lock_and_get_key(advisory_lock_id(scope, key), scope, key,
-                                                 now=self.clock())
-        if not locked:
+        if not (yield sql.try_lock_key(advisory_lock_id(scope, key))):
             idempotency_requests.add(1, {"outcome": "in_progress"})
             raise RequestInProgress(retry_after=self.retry_after)
+        row = yield sql.get_key(scope, key, now=self.clock())
         if row is None:
             return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(),
                          generation=uuid.uuid4(), business_key=business, window=window)

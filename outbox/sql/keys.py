@@ -62,37 +62,6 @@ def get_key(scope: str, key: str, now: datetime | None = None) -> Query[KeyRow |
     return Query(_GET, {"scope": scope, "key": key, "now": now}, _key_row)
 
 
-# Atomic mode's first statement: the key's advisory lock and its row in one round trip
-# (they were two). The row is read on the statement's snapshot, taken before the lock:
-# a twin that committed in between is not seen, does its work again, and is stopped by
-# the unique backstop when it writes the key (ClaimLost, so 409 and a replay on retry):
-# never a second execution. Without the lock the row is not read (NULLs).
-_LOCK_AND_GET = sql(
-    f"""
-    SELECT l.locked, k.status, k.fingerprint, k.lock_token, {_NOW} - k.locked_at AS age,
-           coalesce(k.lock_expires_at <= {_NOW}, false) AS lock_expired, k.generation,
-           k.response_status, k.response_headers, k.response_body
-      FROM (SELECT pg_try_advisory_xact_lock(:lock_id) AS locked) AS l
-      LEFT JOIN outbox.idempotency_keys k
-             ON l.locked AND k.scope = :scope AND k.key = :key
-    """
-)
-
-
-def lock_and_get_key(lock_id: int, scope: str, key: str, now: datetime | None = None
-                     ) -> Query[tuple[bool, KeyRow | None]]:
-    """Take the key's advisory lock without waiting and read its row: (locked, row)."""
-    params = {"lock_id": lock_id, "scope": scope, "key": key, "now": now}
-    return Query(_LOCK_AND_GET, params, _locked_key_row)
-
-
-def _locked_key_row(result: Result) -> tuple[bool, KeyRow | None]:
-    first = result.one()
-    if not first.locked:
-        return False, None
-    return True, _key_row(result) if first.status is not None else None
-
-
 def _key_row(result: Result) -> KeyRow | None:
     row = result.first()
     if row is None:
