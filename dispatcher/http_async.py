@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
+import json
 import time
 from typing import Any
 
@@ -38,6 +40,40 @@ from outbox.errors import (
     PermanentFailure,
     TransientFailure,
 )
+
+#: Seconds before the effect's deadline at which the handler's own timeouts end the
+#: attempt: the dispatcher cancels an async handler at the deadline itself, and that
+#: cancellation must not win the race (it would turn a 2xx whose body was still
+#: arriving into an ambiguous outcome).
+DEADLINE_MARGIN = 0.05
+
+
+class _Sending:
+    """Per request: whether aiohttp wrote the request's headers (from then on the
+    receiver may act on it; before, a failure is a plain retry)."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
+
+
+async def _headers_sent(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
+    mark = context.trace_request_ctx
+    if isinstance(mark, _Sending):
+        mark.sent = True
+
+
+def _sending_config() -> aiohttp.TraceConfig:
+    config = aiohttp.TraceConfig()
+    config.on_request_headers_sent.append(_headers_sent)
+    return config
+
+
+#: The bytes httpx sends for `json=` (compact, UTF-8): both handlers send one body for
+#: one payload, so a receiver that fingerprints raw bytes sees a retry as the same.
+_json = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"),
+                          allow_nan=False)
 
 
 def _trace_configs() -> tuple[list[Any], bool]:
@@ -92,8 +128,8 @@ class AsyncHttpHandler:
         if session is None or session.closed:
             configs, self._traced = _trace_configs()
             session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.limit),
-                auto_decompress=False, trace_configs=configs)
+                connector=aiohttp.TCPConnector(limit=self.limit), auto_decompress=False,
+                trace_configs=[_sending_config(), *configs], json_serialize=_json)
             self._sessions[loop] = session
         return session
 
@@ -117,25 +153,26 @@ class AsyncHttpHandler:
             headers["Authorization"] = self._authorization
         if not self._traced:  # else the instrumentation's CLIENT span injects its own
             propagate.inject(headers)  # traceparent of the current deliver span
-        deadline = min(effect.deadline, time.monotonic() + self.timeout)
+        deadline = min(effect.deadline - DEADLINE_MARGIN, time.monotonic() + self.timeout)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TransientFailure("the attempt's deadline passed before sending")
-        # `connect` bounds getting a connection (nothing sent yet: a plain retry);
-        # everything after it is bounded by our own deadline below.
-        timeout = aiohttp.ClientTimeout(total=None, connect=remaining)
+        # One deadline for the whole request (connection, pool wait, send, status,
+        # headers); whether it ended before or after the headers went out decides.
+        sending = _Sending()
         try:
             async with asyncio.timeout(remaining):
-                response = await session.post(self.url, json=effect.payload,
-                                              headers=headers,
-                                              timeout=timeout, allow_redirects=False)
-        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
-            raise TransientFailure(redact_secrets(f"could not connect: {exc!r}")) from exc
-        except TimeoutError as exc:
-            raise AmbiguousOutcome(redact_secrets(
-                f"no answer by the attempt's deadline ({self.timeout:g} s at most): "
-                f"{exc!r}")) from exc
-        except aiohttp.ClientError as exc:
+                response = await session.post(
+                    self.url, json=effect.payload, headers=headers, allow_redirects=False,
+                    timeout=aiohttp.ClientTimeout(total=None), trace_request_ctx=sending)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if not sending.sent:  # nothing reached the receiver: a plain retry
+                raise TransientFailure(redact_secrets(
+                    f"could not send the request: {exc!r}")) from exc
+            if isinstance(exc, TimeoutError):
+                raise AmbiguousOutcome(redact_secrets(
+                    f"no answer by the attempt's deadline ({self.timeout:g} s at most): "
+                    f"{exc!r}")) from exc
             raise AmbiguousOutcome(redact_secrets(f"no answer after sending: {exc!r}")
                                    ) from exc
         try:

@@ -38,7 +38,7 @@ from dispatcher import Dispatcher, EffectContext, HttpHandler, Registry, RetryPo
 from dispatcher.cli import main
 from dispatcher.http_async import AsyncHttpHandler
 from outbox import Effect, enqueue, enqueue_many, ingest
-from outbox.errors import AmbiguousOutcome, InvalidInput, PermanentFailure
+from outbox.errors import AmbiguousOutcome, InvalidInput, PermanentFailure, TransientFailure
 from outbox.masking import MASKED, MaskingFilter
 from outbox.retention import RetentionPlan, ScheduledRetention
 from outbox.sql import retention as retention_lock
@@ -276,6 +276,51 @@ def test_a_reply_trickling_its_body_is_cut_at_the_deadline_and_the_status_decide
     assert took < 1.0 + 0.5, took
     assert summary["status"] == 200 and summary["truncated"] is True
     assert summary["body"].startswith("{a")
+
+
+def test_a_reply_trickling_past_the_effects_deadline_is_delivered_truncated(
+        engine: Engine, receiver: RawReceiver, http_cls: Any) -> None:
+    """The effect's deadline (0.8 x lease) binds, not the handler's 30 s: the 200 still
+    decides (delivered, body truncated), for the async handler too, which the
+    dispatcher cancels at that deadline (its own timeouts end the attempt just before)."""
+    receiver.plan = ["trickle_body"]
+    handler = http_cls(receiver.url(), timeout=30.0)
+    with engine.begin() as conn:
+        eid = enqueue(conn, "psp.charge", {"amount": 5}, key="slow-body-lease").id
+    d = Dispatcher(engine, registry_of("psp.charge", handler), lease=1.5,
+                   policy=RetryPolicy(wait=wait_fixed(0)))
+    try:
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    [attempt] = attempts_of(engine, eid)
+    assert attempt.outcome == "delivered", attempt
+    row = effect_row(engine, "slow-body-lease")
+    assert row.status == "delivered"
+    assert row.result["status"] == 200 and row.result["truncated"] is True, row.result
+
+
+def test_an_async_request_never_sent_is_a_plain_retry(receiver: RawReceiver) -> None:
+    """AsyncHttpHandler with one connection: while a trickling reply holds it, a second
+    delivery waits for the pool until its deadline. Nothing of it was sent, so it is a
+    plain retry (TransientFailure), not ambiguous (which parks kinds that are not
+    retry-safe); the first, whose request went out, is ambiguous."""
+    receiver.plan = ["trickle"]
+    handler = AsyncHttpHandler(receiver.url(), timeout=1.0, limit=1)
+
+    async def both() -> list[Any]:
+        try:
+            first = asyncio.ensure_future(handler(effect_ctx("held-1")))
+            await asyncio.sleep(0.2)  # the first holds the only connection
+            second = asyncio.ensure_future(handler(effect_ctx("queued-2", deadline_in=0.5)))
+            return list(await asyncio.gather(first, second, return_exceptions=True))
+        finally:
+            await handler.aclose()
+
+    first, second = asyncio.run(both())
+    assert isinstance(first, AmbiguousOutcome), first
+    assert isinstance(second, TransientFailure), second
+    assert [s.key for s in receiver.seen] == ["held-1"]
 
 
 def test_the_effects_deadline_bounds_the_attempt_below_the_handlers_timeout(
