@@ -133,6 +133,7 @@ class Dispatcher:
                                    stats=self.stats, target=min(concurrency, max_batch),
                                    labels=metric_labels)
         self.completer.on_written = self.wake.set
+        self.completer.on_unblocked = self.producer.rescan
         self._pool = SlotPool(concurrency, "outbox-deliver")
         self._lock = threading.Lock()
         self._inflight: dict[int, _InFlight] = {}

@@ -21,7 +21,7 @@ from sqlalchemy.exc import DBAPIError
 
 from dispatcher.producer import HeldConnection, db_retry
 from outbox._idempotency import Clock
-from outbox._schema import AttemptOutcome
+from outbox._schema import AttemptOutcome, EffectStatus
 from outbox._telemetry import deliveries
 from outbox.sql import dispatch as sql
 from outbox.sql.dispatch import Outcome
@@ -61,6 +61,9 @@ class Completer:
         self.clock = clock
         self.stats = stats
         self.pending: list[Outcome] = []  # finished, not yet written
+        # Called after a flush delivered or cancelled an effect with an ordering key:
+        # its successor is claimable now, behind the producer's watermark.
+        self.on_unblocked: Callable[[], None] | None = None
         self._lock = threading.Lock()     # guards `pending` and `stats`
         self._kick = threading.Event()
         self._stopping = False
@@ -100,6 +103,7 @@ class Completer:
         finally:
             with self._lock:
                 self._writing -= len(batch)
+        unblocked = False
         for o in batch:
             got = recorded.get(o.effect_id)
             if got is None:  # recorded by a try whose COMMIT reply was lost
@@ -107,8 +111,14 @@ class Completer:
             if got == AttemptOutcome.LEASE_LOST:
                 log.warning("effect %s: lease lost before its outcome was recorded "
                             "(fenced)", o.effect_id)
+            if (o.ordered and self.on_unblocked is not None
+                    and got != AttemptOutcome.LEASE_LOST
+                    and o.next_status == EffectStatus.DELIVERED):
+                unblocked = True
             deliveries.add(1, {"kind": o.kind, "queue": o.queue, "outcome": got,
                                **self.labels})
+        if unblocked and self.on_unblocked is not None:
+            self.on_unblocked()
         return recorded
 
     @db_retry

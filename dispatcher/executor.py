@@ -307,7 +307,7 @@ class Executor:
                     error=_db_text(redact_secrets(f"{type(exc).__name__}: {exc}")[:2000]),
                     result=_jsonb_text(detail) if detail is not None else None,
                     http_status=http_status, trace_id=trace_id, kind=row.kind,
-                    queue=row.queue)
+                    queue=row.queue, ordered=row.ordering_key is not None)
             duration = time.perf_counter() - t0
             span.set_attribute("outbox.outcome", "delivered")
             delivery_duration.record(duration, {**labels, "outcome": "delivered"})
@@ -321,7 +321,7 @@ class Executor:
                 outcome=_DELIVERED, next_status=_ST_DELIVERED, started_at=started_at,
                 result=_jsonb_text(result) if result is not None else None,
                 http_status=_http_status(status), trace_id=trace_id, kind=row.kind,
-                queue=row.queue)
+                queue=row.queue, ordered=row.ordering_key is not None)
 
     def crashed(self, row: Claimed, exc: BaseException) -> Outcome:
         """The outcome when `execute` itself failed (a bug in a policy, say): retried
@@ -333,12 +333,14 @@ class Executor:
             return Outcome(
                 effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
                 outcome=AttemptOutcome.FAILED, next_status=EffectStatus.FAILED,
-                started_at=datetime.now(UTC), error=error, kind=row.kind, queue=row.queue)
+                started_at=datetime.now(UTC), error=error, kind=row.kind, queue=row.queue,
+            ordered=row.ordering_key is not None)
         return Outcome(
             effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
             outcome=AttemptOutcome.RETRY, next_status=EffectStatus.PENDING,
             started_at=datetime.now(UTC), delay=min(60.0, 2.0 ** row.attempts), error=error,
-            kind=row.kind, queue=row.queue)
+            kind=row.kind, queue=row.queue,
+            ordered=row.ordering_key is not None)
 
     def released(self, row: Claimed, started_monotonic: float) -> Outcome:
         """The outcome of a delivery abandoned at shutdown: due again at once.
@@ -366,7 +368,8 @@ class Executor:
         return Outcome(
             effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
             outcome=outcome, next_status=next_status, started_at=started, delay=0.0,
-            error=error, kind=row.kind, queue=row.queue)
+            error=error, kind=row.kind, queue=row.queue,
+            ordered=row.ordering_key is not None)
 
     # -- async handlers ----------------------------------------------------------------
 

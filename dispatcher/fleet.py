@@ -422,6 +422,15 @@ class Member:
                 log.exception("database %s: the worker failed; starting it again in "
                               "%.1f s", self.name, backoff)
                 self.state = "failed"
+                # Finish or release what the failed dispatcher still has in flight
+                # before a new one takes its slots: its outcomes would otherwise go to
+                # a stopped completer (redelivered only after the lease, blindly for
+                # kinds that are not retry-safe) and its deliveries leave the budget.
+                try:
+                    dispatcher.shutdown(s.grace)
+                except Exception:
+                    log.exception("database %s: releasing the failed worker's deliveries "
+                                  "failed; their leases will expire", self.name)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, s.retry_max)
 

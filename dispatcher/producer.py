@@ -66,6 +66,16 @@ RESCUE_EVERY = 1.0
 # docstring).
 FULL_SCAN_EVERY = 2.0
 FULL_SCAN_SHARE = 0.05
+# ... but never spaced out further than this (seconds): one outlier (an I/O stall) must
+# not postpone the rescue of a dead worker's leases, or the look behind the watermark,
+# by minutes.
+MAX_SPACING = 60.0
+
+
+def spaced(took: float, floor: float) -> float:
+    """The wait before the next slow scan: at most FULL_SCAN_SHARE of the time, at
+    least `floor`, at most MAX_SPACING."""
+    return min(max(floor, took / FULL_SCAN_SHARE), max(floor, MAX_SPACING))
 
 
 def backend_pid(conn: Any) -> int | None:
@@ -125,10 +135,18 @@ class Producer:
         self._short = True  # the last claim took fewer rows than it asked for
         self._last_rescue = 0.0
         self._rescue_took = 0.0  # seconds the last claim with the rescue took
+        self._rescan = False  # look behind the watermark at the next claim (`rescan`)
         # Where the next fresh scan resumes (None: from the head: a full scan), and
         # when (time.monotonic()) a full scan is due even under a saturated backlog.
         self.watermark: Watermark | None = None
         self._next_full_scan = 0.0
+
+    def rescan(self) -> None:
+        """Look behind the watermark at the next claim: an effect with an ordering key
+        was delivered, so its successor (older than the watermark) is claimable now.
+        Without it, under a saturated backlog a key advanced one effect per full scan.
+        A flag, not `watermark = None`: a claim running now would set its own."""
+        self._rescan = True
 
     def claim(self, limit: int) -> list[Claimed]:
         """Claim with one lease token for this call and every retry of it.
@@ -140,14 +158,15 @@ class Producer:
         retry first takes back the rows holding this call's token.
         """
         now = time.monotonic()
-        slow = self._rescue_took / FULL_SCAN_SHARE
+        slow = spaced(self._rescue_took, 0.0)
         if slow > RESCUE_EVERY:  # rescues got slow (a held horizon): spaced out
             rescue = now - self._last_rescue >= slow
         else:
             rescue = self._short or now - self._last_rescue >= RESCUE_EVERY
         if rescue:
             self._last_rescue = now
-        full = (self.watermark is None or self.full_scan_every <= 0
+        rescan, self._rescan = self._rescan, False
+        full = (rescan or self.watermark is None or self.full_scan_every <= 0
                 or now >= self._next_full_scan)
         batch, took = self._claim_once(limit, rescue=rescue,
                                        after=None if full else self.watermark)
@@ -160,7 +179,7 @@ class Producer:
             full, now = True, time.monotonic()
             batch, took = self._claim_once(limit, rescue=False, after=None)
         if full:
-            self._next_full_scan = now + max(self.full_scan_every, took / FULL_SCAN_SHARE)
+            self._next_full_scan = now + spaced(took, self.full_scan_every)
         rows = batch.rows
         self._short = len(rows) < limit
         if self._short or self.full_scan_every <= 0:

@@ -25,7 +25,7 @@ import psycopg
 from sqlalchemy import Engine, make_url
 
 from dispatcher._core import Dispatcher
-from dispatcher.producer import FULL_SCAN_SHARE
+from dispatcher.producer import spaced
 from outbox._config import NOTIFY_CHANNEL, call_timeout_of
 from outbox._connections import connect
 from outbox.retention import ScheduledRetention
@@ -131,7 +131,7 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
                 # which a held xmin horizon fills with dead entries: at most
                 # FULL_SCAN_SHARE of the time, like the producer's full scans.
                 took = time.monotonic() - last_sweep
-                sweep_gap = max(poll_interval, 5.0, took / FULL_SCAN_SHARE)
+                sweep_gap = spaced(took, max(poll_interval, 5.0))
             if dead:
                 log.warning("dead-lettered %d effects whose last lease expired", len(dead))
         retention.start_if_due(dispatcher.engine, stop)  # never blocks the loop

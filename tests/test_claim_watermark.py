@@ -210,6 +210,49 @@ def test_producer_looks_behind_at_once_when_nothing_is_past_its_watermark(
     assert seen == [None, mark, None]
 
 
+def test_an_ordering_key_chain_is_not_held_behind_the_watermark(engine: Engine) -> None:
+    """Under a saturated backlog every claim is full, so the watermark keeps moving and
+    only catch-up full scans look behind it. An ordering key's successor is unblocked
+    when its head is recorded, behind the watermark: it waited for a full scan (one
+    effect per scan; with full_scan_every=inf, until the backlog ran out). Recording a
+    delivered head with an ordering key now makes the next claim look behind."""
+    chain = keys("chain", 8)
+    add_effects(engine, chain, ordering_key=lambda i, k: "acct-1")  # oldest rows
+    add_effects(engine, keys("bulk", 4000))
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def noop(effect: EffectContext) -> None:
+        time.sleep(0.002)
+        with lock:
+            done.append(effect.key)
+
+    registry = Registry()
+    registry.register("noop", noop)
+    d = Dispatcher(engine, registry, concurrency=10, max_batch=10, lease=30,
+                   full_scan_every=math.inf)  # no periodic full scan: only rescans
+    try:
+        stop = threading.Event()
+        runner = threading.Thread(target=d.run, kwargs={"stop": stop, "poll_interval": 0.2},
+                                  daemon=True)
+        runner.start()
+        try:
+            wait_until(lambda: all(k in done for k in chain), 60, interval=0.05,
+                       message=lambda: f"chain delivered: {[k for k in chain if k in done]}")
+            with lock:
+                bulk_done = sum(1 for k in done if k.startswith("bulk"))
+        finally:
+            stop.set()
+            runner.join(30)
+    finally:
+        d.shutdown(0)
+    # The chain finished while most of the backlog was still waiting.
+    assert bulk_done < 3000, bulk_done
+    with lock:
+        order = [k for k in done if k in chain]
+    assert order == chain  # in order, each once
+
+
 def test_rescue_is_spaced_out_when_it_is_slow(
         engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A claim with the rescue that took long (a held horizon bloats the in-flight

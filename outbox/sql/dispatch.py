@@ -277,6 +277,8 @@ class Outcome:
     # Metric labels only (never written): the effect's kind and queue.
     kind: str = ""
     queue: str = ""
+    # Never written: the effect has an ordering key (its successor may be unblocked).
+    ordered: bool = False
 
 
 # The batch is one jsonb parameter (an array of objects, keys as in `v` below):
