@@ -114,6 +114,8 @@ from outbox._web import (
     shared_scope,
     unless_no_store,
 )
+from outbox._web import MAX_TENANT_LENGTH as MAX_TENANT_LENGTH  # re-exported, as before
+from outbox._web import PROBLEM_TYPE_BASE as PROBLEM_TYPE_BASE
 from outbox.errors import (
     ConfigurationError,
     IdempotencyConflict,
