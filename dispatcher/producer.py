@@ -18,11 +18,14 @@ the producer claims without a watermark (a full scan, from the head):
 * whenever its last claim came up short: it has caught up, and the next claim looks
   at the whole queue (cheap when the queue is short); at once, in the same call, when
   a claim past the watermark found nothing (an empty claim ends a drain);
+* at the next claim after this worker recorded the delivery of an effect with an
+  ordering key (`rescan`): its successor is claimable now, behind the watermark;
 * at least every `full_scan_every` seconds (FULL_SCAN_EVERY, 2 s, by default) under a
   saturated backlog, where every claim is full. When full scans themselves get slow
   (a long-held horizon) the period stretches so that they take at most
-  FULL_SCAN_SHARE of the time: a row behind the watermark waits at most the longer
-  of `full_scan_every` and 1/FULL_SCAN_SHARE times one full scan.
+  FULL_SCAN_SHARE of the time, up to MAX_SPACING (60 s): a row behind the watermark
+  waits at most the longer of `full_scan_every` and 1/FULL_SCAN_SHARE times one full
+  scan, never more than MAX_SPACING.
 
 `full_scan_every=0` turns the watermark off (every claim a full scan: the claim before
 issue 17); `math.inf` leaves only the catch-up full scans (a negative control in the
