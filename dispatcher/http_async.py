@@ -33,6 +33,7 @@ from yarl import URL
 from dispatcher.handlers import MAX_REPLY_BYTES, EffectContext, classify_reply
 from outbox._enqueue import check_effect_key
 from outbox._redact import redact_secrets
+from outbox._telemetry import tracing_enabled
 from outbox.errors import (
     AmbiguousOutcome,
     ConfigurationError,
@@ -78,7 +79,10 @@ _json = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"),
 
 def _trace_configs() -> tuple[list[Any], bool]:
     """The maintained aiohttp-client instrumentation's trace config, when installed: a
-    CLIENT span per request by the HTTP conventions, carrying the traceparent."""
+    CLIENT span per request by the HTTP conventions, carrying the traceparent; only
+    while spans are recorded (`tracing_enabled`), like HttpHandler's."""
+    if not tracing_enabled():
+        return [], False
     try:
         from opentelemetry.instrumentation.aiohttp_client import create_trace_config
     except ImportError:

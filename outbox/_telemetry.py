@@ -26,6 +26,14 @@ ENQUEUE = "enqueue"
 DELIVER = "deliver"
 
 
+def tracing_enabled() -> bool:
+    """Whether spans are recorded in this process (an SDK TracerProvider is installed,
+    by us or by the application). Instrumentations cost CPU even when every span is a
+    no-op (httpx's: about 0.45 ms per request), so ours are only turned on then."""
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
 def messaging_attributes(operation_type: str, operation_name: str,
                          queue: str | None) -> dict[str, str]:
     """The `messaging.*` attributes every span of ours carries."""

@@ -14,14 +14,9 @@ from typing import Any
 
 from opentelemetry import trace
 
+from outbox._telemetry import tracing_enabled as tracing_enabled  # re-exported
+
 log = logging.getLogger("outbox.telemetry")
-
-
-def tracing_enabled() -> bool:
-    """Whether spans are recorded in this process (an SDK provider is installed, by us
-    or by the application): instrumentations are only worth their cost then."""
-    provider = trace.get_tracer_provider()
-    return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
 def instrument_fastapi(app: Any) -> bool:
