@@ -43,6 +43,7 @@ from tests.dispatch_support import add_effects, keys, summarize, wait_until
 from tests.otel_helpers import metric_points, metric_reader
 from tests.process_support import Proc, Procs, process_group
 from tests.tcp_proxy import TcpProxy
+from tests.test_faults import pg_upstream, via_proxy
 
 HANDLERS = "tests.fleet_handlers:registry"
 SECRET = "s3cret-pw"  # in every URL we give the worker: trust auth ignores it
@@ -529,13 +530,14 @@ def test_databases_down_or_unmigrated_at_start_do_not_stop_the_others(
     a, b = two
     c = server.db("c", create=False)
     d = server.db("d", create=False)
-    proxy = TcpProxy(("127.0.0.1", make_url(b.url).port or 5432)).start()
+    # b's server over TCP or the embedded server's Unix socket: the proxy speaks TCP.
+    proxy = TcpProxy(pg_upstream(b.url)).start()
     proxy.set_mode("reset_now")
     try:
         ka, kb, kc = keys("a", 50), keys("b", 50), keys("c", 50)
         add_effects(a.engine, ka, kind="psp.charge", payload=lambda i, k: {"amount": 1})
         add_effects(b.engine, kb, kind="psp.charge", payload=lambda i, k: {"amount": 1})
-        worker = fleet_worker(procs, "fleet-down", [a.arg(), b.arg(port=proxy.port),
+        worker = fleet_worker(procs, "fleet-down", [a.arg(), f"b={via_proxy(b.url, proxy.port)}",
                                                     c.arg(), d.arg(port=1)])
         wait_until(lambda: delivered(a) == 50, 60, message=lambda: f"a {counts(a)}")
         time.sleep(3)  # several retries of b, c and d (backoff up to 1 s)
