@@ -80,6 +80,33 @@ def _http_status(value: object) -> int | None:
     return value if isinstance(value, int) and 100 <= value <= 999 else None
 
 
+Attempt = Generator[tuple[Awaitable[Any], float], Any, Outcome]
+
+
+def _first_step(flow: Attempt) -> Outcome | tuple[Awaitable[Any], float]:
+    """Run an attempt up to the handler's awaitable (and its deadline), or to its end."""
+    try:
+        return next(flow)
+    except StopIteration as done:
+        outcome: Outcome = done.value
+        return outcome
+
+
+def _last_step(flow: Attempt, *, value: Any = None,
+               exc: BaseException | None = None) -> Outcome:
+    """Hand the awaited result (or its error) back to the attempt; it ends there (a
+    handler returns one awaitable)."""
+    try:
+        if exc is not None:
+            flow.throw(exc)
+        else:
+            flow.send(value)
+    except StopIteration as done:
+        outcome: Outcome = done.value
+        return outcome
+    raise RuntimeError("an attempt awaits one handler result")
+
+
 async def _until_deadline(awaitable: Awaitable[Any], deadline: float) -> Any:
     """Await a handler's result, cancelled at `deadline` (time.monotonic(), which is
     the loop's clock). Cut there, the request may have gone out: ambiguous."""
@@ -189,35 +216,27 @@ class Executor:
         thread waits (`await_result`).
         """
         flow = self._attempt(row, started_monotonic)
+        step = _first_step(flow)
+        if isinstance(step, Outcome):
+            return step
         try:
-            awaitable, deadline = next(flow)
-            while True:
-                try:
-                    value = self.await_result(awaitable, deadline)
-                except BaseException as exc:
-                    awaitable, deadline = flow.throw(exc)
-                    continue
-                awaitable, deadline = flow.send(value)
-        except StopIteration as done:
-            outcome: Outcome = done.value
-            return outcome
+            value = self.await_result(*step)
+        except BaseException as exc:
+            return _last_step(flow, exc=exc)
+        return _last_step(flow, value=value)
 
     async def aexecute(self, row: Claimed, started_monotonic: float) -> Outcome:
         """`execute` for an async handler, as a task of the dispatcher's event loop:
         no pool thread waits for it (one thread hand-off less per delivery)."""
         flow = self._attempt(row, started_monotonic)
+        step = _first_step(flow)
+        if isinstance(step, Outcome):
+            return step
         try:
-            awaitable, deadline = next(flow)
-            while True:
-                try:
-                    value = await _until_deadline(awaitable, deadline)
-                except BaseException as exc:  # cancelled at stop() too: released then
-                    awaitable, deadline = flow.throw(exc)
-                    continue
-                awaitable, deadline = flow.send(value)
-        except StopIteration as done:
-            outcome: Outcome = done.value
-            return outcome
+            value = await _until_deadline(*step)
+        except BaseException as exc:  # cancelled at stop() too: released then
+            return _last_step(flow, exc=exc)
+        return _last_step(flow, value=value)
 
     def runs_on_loop(self, kind: str) -> bool:
         """Whether `kind`'s handler is async (a coroutine function, or an object whose
@@ -240,8 +259,7 @@ class Executor:
             return asyncio.run_coroutine_threadsafe(
                 self.aexecute(row, started_monotonic), self._event_loop())
 
-    def _attempt(self, row: Claimed, started_monotonic: float
-                 ) -> Generator[tuple[Awaitable[Any], float], Any, Outcome]:
+    def _attempt(self, row: Claimed, started_monotonic: float) -> Attempt:
         """One attempt, written once for both drivers: yields (awaitable, deadline)
         when the handler returns an awaitable, and receives its result (or the error,
         thrown in); returns the attempt's Outcome."""

@@ -144,11 +144,8 @@ def test_claim_after_a_watermark_takes_only_rows_past_it(engine: Engine) -> None
     assert got.watermark is None
 
 
-def test_producer_resumes_from_its_watermark_and_scans_fully_when_short(
-        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Full batches move the watermark; a short batch resets it (next: a full scan);
-    `full_scan_every` forces a full scan under a full backlog; 0 never resumes."""
-    add_effects(engine, keys("p", 25))
+def claim_afters(monkeypatch: pytest.MonkeyPatch) -> list[Watermark | None]:
+    """Record the watermark (`after`) every claim the producer makes is given."""
     seen: list[Watermark | None] = []
     real = sql.claim_batch
 
@@ -157,6 +154,15 @@ def test_producer_resumes_from_its_watermark_and_scans_fully_when_short(
         return real(conn, **kw)
 
     monkeypatch.setattr(sql, "claim_batch", spy)
+    return seen
+
+
+def test_producer_resumes_from_its_watermark_and_scans_fully_when_short(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full batches move the watermark; a short batch resets it (next: a full scan);
+    `full_scan_every` forces a full scan under a full backlog; 0 never resumes."""
+    add_effects(engine, keys("p", 25))
+    seen = claim_afters(monkeypatch)
     clock = [0.0]
     monkeypatch.setattr("dispatcher.producer.time.monotonic", lambda: clock[0])
     p = Producer(engine, queue="default", worker_id="w", lease=30, clock=lambda: None,
@@ -189,14 +195,7 @@ def test_producer_looks_behind_at_once_when_nothing_is_past_its_watermark(
     """An empty claim ends a drain: one past the watermark is followed, in the same
     call, by a full scan, which finds a row that committed behind the watermark."""
     add_effects(engine, keys("a", 10))
-    seen: list[Watermark | None] = []
-    real = sql.claim_batch
-
-    def spy(conn: Any, **kw: Any) -> sql.ClaimBatch:
-        seen.append(kw["after"])
-        return real(conn, **kw)
-
-    monkeypatch.setattr(sql, "claim_batch", spy)
+    seen = claim_afters(monkeypatch)
     p = Producer(engine, queue="default", worker_id="w", lease=30, clock=lambda: None,
                  full_scan_every=60.0)
     assert len(p.claim(10)) == 10  # full: the watermark is its last row

@@ -53,7 +53,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from outbox import _web as _http
+from outbox import _web
 from outbox._canonical import fingerprint, parse_idempotency_key, parse_json_body
 from outbox._driver import drive
 from outbox._idempotency import Claim, IdempotencyGuard, Mode, StoredResponse
@@ -160,8 +160,8 @@ class _HeaderView:
         self.headers = Headers(request)
 
 
-def _as_starlette(request: Any) -> _http.HasHeaders:
-    """The request as outbox._web's helpers read it (the name is historical)."""
+def _header_view(request: Any) -> _web.HasHeaders:
+    """The request as outbox._web's helpers read it."""
     return _HeaderView(request)
 
 
@@ -189,10 +189,6 @@ def _identity(request: Any) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def _encoded(kind: str, value: str) -> str:
-    return f"{kind}:{quote(value, safe='')}"
-
-
 def client_scope(request: Any) -> str:
     """The default scope: the client's identity (401 without one), narrowed by X-Tenant.
 
@@ -203,7 +199,7 @@ def client_scope(request: Any) -> str:
     identity = _identity(request)
     if identity is None:
         raise Unauthenticated("authenticate first: idempotency keys are scoped by client")
-    return _http._with_tenant(_as_starlette(request), _encoded("user", identity))
+    return _web._with_tenant(_header_view(request), _web._encoded("user", identity))
 
 
 def anonymous_scope(request: Any) -> str:
@@ -213,8 +209,8 @@ def anonymous_scope(request: Any) -> str:
     must send random keys (UUIDv4).
     """
     identity = _identity(request)
-    return _http._with_tenant(_as_starlette(request),
-                              _encoded("user", identity) if identity else "anonymous")
+    return _web._with_tenant(_header_view(request),
+                              _web._encoded("user", identity) if identity else "anonymous")
 
 
 def shared_scope(request: Any) -> str:
@@ -224,8 +220,8 @@ def shared_scope(request: Any) -> str:
 
 def header_scope(name: str) -> Callable[[Any], str]:
     """Scope by a header your gateway sets after authenticating (400 without it)."""
-    inner = _http.header_scope(name)
-    return lambda request: inner(_as_starlette(request))
+    inner = _web.header_scope(name)
+    return lambda request: inner(_header_view(request))
 
 
 # -- problems -----------------------------------------------------------------------------
@@ -245,7 +241,7 @@ def problem_response(status: int, detail: Any = None, *, code: str | None = None
         response = HttpResponse(status=status)
         del response["Content-Type"]
     else:
-        phrase = _http._phrase(status)
+        phrase = _web._phrase(status)
         body: dict[str, Any] = {"type": problem_type(code), "title": title or phrase,
                                 "status": status, "detail": phrase if detail is None else detail}
         if code:
@@ -402,7 +398,7 @@ def _drf_errors(detail: Any, loc: tuple[str | int, ...] = ("body",)) -> list[dic
 
 
 def _schema_problem(errors: list[dict[str, Any]]) -> Problem:
-    return Problem(422, _http._summarise(errors), code="validation_error", errors=errors)
+    return Problem(422, _web._summarise(errors), code="validation_error", errors=errors)
 
 
 # -- the configuration and the decorator --------------------------------------------------
@@ -497,7 +493,7 @@ class Idempotency:
             scope = (self.scope or s.scope)(request)  # who first: 401 before the rest
             key = parse_idempotency_key(headers.getlist("idempotency-key"))
             assert key is not None
-            _http.check_json_media_type(_as_starlette(request))
+            _web.check_json_media_type(_header_view(request))
             raw = read_body(request, max_body)
             document = parse_json_body(raw, max_bytes=max_body)
         except InvalidInput as exc:
@@ -520,7 +516,7 @@ class Idempotency:
 
                 if not isinstance(exc, ValidationError):
                     raise
-                raise _schema_problem(_http._plain_errors(
+                raise _schema_problem(_web._plain_errors(
                     {**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False))
                 ) from None
         if self.serializer is not None:

@@ -29,7 +29,7 @@ from outbox._web import Problem, _plain_errors, _summarise, check_json_media_typ
 from outbox.contrib.django.db import database_url
 from outbox.contrib.django.idempotency import (
     Headers,
-    _as_starlette,
+    _header_view,
     idempotency_of,
     idempotent,
     problem,
@@ -119,7 +119,7 @@ def verified_body(source: str, request: Request) -> bytes:
     sources.check_source(source)
     body = read_body(request, DEFAULT_MAX_BODY)
     sources.verify(source, Headers(request), body)
-    check_json_media_type(_as_starlette(request))
+    check_json_media_type(_header_view(request))
     return body
 
 
