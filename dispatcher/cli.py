@@ -387,7 +387,10 @@ def cmd_purge(args: argparse.Namespace) -> int:
         if name == "effects":
             print(f"\rpurged {total} effects", end="", file=sys.stderr)
 
-    run = plan.run(_engine("purge"), wait_lock=args.wait_lock, progress=progress)
+    if not 0 < args.duty <= 1:
+        raise UsageError(f"--duty is in (0, 1], not {args.duty:g}")
+    run = plan.run(_engine("purge"), wait_lock=args.wait_lock, duty=args.duty,
+                   progress=progress)
     if run.locked_out:
         raise OutboxError(f"another purge (a worker's retention, or another `outbox "
                           f"purge`) held the lock for {args.wait_lock:g} s; try again")
@@ -506,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     p.add_argument("--version", action="version",
                    version=f"outbox (pg-outbox) {package_version()}")
+    from outbox.retention import DEFAULT_DUTY
+
     sub = p.add_subparsers(dest="command", required=True)
 
     mg = sub.add_parser("migrate", help="apply the schema migrations")
@@ -567,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     pu = sub.add_parser("purge", help="delete old delivered effects and expired keys")
     pu.add_argument("--older-than", required=True, help="e.g. 7d")
     pu.add_argument("--batch", type=int, default=1000)
+    pu.add_argument("--duty", type=float, default=DEFAULT_DUTY, metavar="SHARE",
+                    help="the share of time spent deleting, in (0, 1]: after each batch "
+                    f"rest so live claims keep their latency ({DEFAULT_DUTY:g}; 1: no rest)")
     pu.add_argument("--inbox-older-than", default=None,
                     help="also purge processed inbox events older than this (e.g. 14d)")
     pu.add_argument("--conflicts-older-than", default=None,

@@ -37,6 +37,10 @@ honours the same horizons):
     OUTBOX_RETENTION_INTERVAL=10m  between two runs of one process (first: within 1 min)
     OUTBOX_RETENTION_BUDGET=30s    the longest one run deletes for (the rest: next run)
     OUTBOX_RETENTION_BATCH=500     rows per delete transaction
+    OUTBOX_RETENTION_DUTY=0.25     the share of wall time a run spends deleting: after
+                                   a batch that took t, it rests t * (1 - duty) / duty,
+                                   so the dispatcher's claims keep their p99 while a
+                                   million rows go (docs/benchmarks.md, "Finished rows")
 
 Why on by default: the security review found rows nobody ever deleted (1 MB conflict
 copies, versions, attempts) because purging was a command someone had to remember to
@@ -73,6 +77,7 @@ DEFAULT_WINDOW = 30 * DAY
 DEFAULT_INTERVAL = 600.0
 DEFAULT_BUDGET = 30.0
 DEFAULT_BATCH = 500
+DEFAULT_DUTY = 0.25
 FIRST_RUN_MAX_DELAY = 60.0
 
 #: The classes, in the order a run purges them, as `outbox purge` reports them.
@@ -220,7 +225,7 @@ class RetentionPlan:
     # -- running -----------------------------------------------------------------------
 
     def run(self, engine: Engine, *, budget: float | None = None,
-            stop: Callable[[], bool] | None = None, pause: float = 0.0,
+            stop: Callable[[], bool] | None = None, pause: float = 0.0, duty: float = 1.0,
             wait_lock: float = 0.0, clock: Clock = database_clock,
             versions_after: tuple[str, str] | None = None,
             progress: Callable[[str, int], None] | None = None) -> RetentionRun:
@@ -230,7 +235,12 @@ class RetentionPlan:
         finishes early leaves its time to the next). `stop()` is asked between
         batches. `wait_lock`: seconds to keep trying for the lock (0: one try).
         `versions_after`: resume the versions walk where an earlier run stopped.
+        `duty` (0 < duty <= 1): after a batch that took t seconds, rest
+        t * (1 - duty) / duty, so the run uses at most that share of a database core
+        and the claims of a busy dispatcher do not queue behind it.
         """
+        if not 0 < duty <= 1:
+            raise ConfigurationError(f"the retention duty is in (0, 1], not {duty:g}")
         self.check()
         end = None if budget is None else time.monotonic() + budget
         stopped = stop or (lambda: False)
@@ -239,8 +249,8 @@ class RetentionPlan:
                 return RetentionRun(complete=False, locked_out=True,
                                     versions_after=versions_after)
             try:
-                return self._run_locked(conn, end, stopped, pause, clock, versions_after,
-                                        progress)
+                return self._run_locked(conn, end, stopped, pause, duty, clock,
+                                        versions_after, progress)
             finally:
                 _unlock(conn)
 
@@ -288,7 +298,8 @@ class RetentionPlan:
         return steps
 
     def _run_locked(self, conn: Connection, end: float | None, stopped: Callable[[], bool],
-                    pause: float, clock: Clock, versions_after: tuple[str, str] | None,
+                    pause: float, duty: float, clock: Clock,
+                    versions_after: tuple[str, str] | None,
                     progress: Callable[[str, int], None] | None) -> RetentionRun:
         cursor: list[tuple[str, str] | None] = [versions_after]
         steps = self._steps(clock, cursor)
@@ -300,8 +311,10 @@ class RetentionPlan:
             while True:
                 if stopped():
                     return RetentionRun(deleted, complete=False, versions_after=cursor[0])
+                began = time.monotonic()
                 with conn.begin():
                     n, done = step(conn)
+                rest = pause + (time.monotonic() - began) * (1 - duty) / duty
                 deleted[name] += n
                 if progress is not None and n:
                     progress(name, deleted[name])
@@ -310,11 +323,20 @@ class RetentionPlan:
                 if share is not None and time.monotonic() >= share:
                     complete = False  # the rest next run; the other classes get theirs
                     break
-                if pause > 0:
-                    time.sleep(pause)
+                _rest(rest, stopped)
         if complete:
             cursor[0] = None
         return RetentionRun(deleted, complete=complete, versions_after=cursor[0])
+
+
+def _rest(seconds: float, stopped: Callable[[], bool]) -> None:
+    """Sleep between batches, a fifth of a second at a time so a stop is heard."""
+    until = time.monotonic() + seconds
+    while not stopped():
+        left = until - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.2))
 
 
 def _unlock(conn: Connection) -> None:
@@ -341,9 +363,13 @@ class ScheduledRetention:
     """
 
     def __init__(self, plan: RetentionPlan | None, *, interval: float = DEFAULT_INTERVAL,
-                 budget: float = DEFAULT_BUDGET, clock: Clock = database_clock) -> None:
+                 budget: float = DEFAULT_BUDGET, duty: float = DEFAULT_DUTY,
+                 clock: Clock = database_clock) -> None:
         if interval <= 0 or budget <= 0:
             raise ConfigurationError("the retention interval and budget must be positive")
+        if not 0 < duty <= 1:
+            raise ConfigurationError(f"OUTBOX_RETENTION_DUTY is in (0, 1], not {duty:g}")
+        self.duty = duty
         self.plan = plan
         self.interval = interval
         self.budget = budget
@@ -362,7 +388,13 @@ class ScheduledRetention:
         plan = RetentionPlan.from_env(env)
         interval = parse_duration(env.get("OUTBOX_RETENTION_INTERVAL") or "600")
         budget = parse_duration(env.get("OUTBOX_RETENTION_BUDGET") or "30")
-        return cls(plan, interval=interval, budget=budget)
+        raw = (env.get("OUTBOX_RETENTION_DUTY") or "").strip()
+        try:
+            duty = float(raw) if raw else DEFAULT_DUTY
+        except ValueError:
+            raise ConfigurationError(f"OUTBOX_RETENTION_DUTY is a number in (0, 1], not "
+                                     f"{raw!r}") from None
+        return cls(plan, interval=interval, budget=budget, duty=duty)
 
     @property
     def enabled(self) -> bool:
@@ -403,7 +435,7 @@ class ScheduledRetention:
         assert self.plan is not None
         try:
             run = self.plan.run(engine, budget=self.budget, stop=stop, clock=self.clock,
-                                versions_after=self._versions_after)
+                                duty=self.duty, versions_after=self._versions_after)
         except Exception:
             log.exception("retention run failed; next try in %.0f s", self.interval)
             return None

@@ -37,6 +37,8 @@ def test_durations(text_: str, seconds: float) -> None:
     ["cancel", "1", "--kind", "k"],
     ["cancel", "--status", "delivered"],
     ["purge", "--older-than", "7d", "--inbox-older-than", "1d", "--horizon", "stripe=3d"],
+    ["purge", "--older-than", "7d", "--duty", "0"],
+    ["purge", "--older-than", "7d", "--duty", "2"],
 ])
 def test_bad_input_is_one_line_and_exit_2(db_url: str, args: list[str]) -> None:
     done = _cli(*args, db_url=db_url)

@@ -794,6 +794,32 @@ def test_a_run_over_its_budget_resumes_next_time(engine: Engine) -> None:
     assert state(engine) == PURGED
 
 
+def test_a_run_rests_between_batches_by_its_duty(engine: Engine) -> None:
+    """`duty`: after a batch that took t, the run rests t * (1 - duty) / duty, so a purge
+    of a million rows leaves the database's cores to the live claims (the claim p99 is
+    measured in docs/benchmarks.md, "Finished rows")."""
+    seed_aged_rows(engine)
+    plan = RetentionPlan(effects=7 * 86400.0, keys=False, inbox=None, conflicts=None,
+                         versions=None, batch=1)
+    gaps: list[float] = []
+    last = [time.monotonic()]
+
+    def progress(name: str, total: int) -> None:
+        now = time.monotonic()
+        gaps.append(now - last[0])
+        last[0] = now
+
+    run = plan.run(engine, duty=0.005, progress=progress)
+    assert run.complete and run.deleted == {"effects": 4}
+    # Between two batches: the rest after the first (199 times its length) and the
+    # second batch. A run ignoring its duty takes a few milliseconds per batch.
+    assert len(gaps) == 4 and min(gaps[1:]) > 0.05, gaps
+    from outbox.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError):
+        plan.run(engine, duty=0)
+
+
 @pytest.mark.parametrize(("env", "expected"), [
     ({}, "effects 30d, keys at their expiry, inbox 30d, conflicts 30d, versions 30d"),
     ({"OUTBOX_RETAIN_EFFECTS": "off", "OUTBOX_RETAIN_KEYS": "off",
@@ -810,6 +836,8 @@ def test_the_plan_from_the_environment(env: dict[str, str], expected: str | None
     {"OUTBOX_RETAIN_EFFECTS": "soon"}, {"OUTBOX_RETAIN_KEYS": "maybe"},
     {"OUTBOX_RETAIN_HORIZONS": "stripe"}, {"OUTBOX_RETENTION_BATCH": "0"},
     {"OUTBOX_RETAIN_CONFLICTS": "1d", "OUTBOX_RETAIN_HORIZONS": "stripe=3d"},
+    {"OUTBOX_RETENTION_DUTY": "0"}, {"OUTBOX_RETENTION_DUTY": "1.5"},
+    {"OUTBOX_RETENTION_DUTY": "half"},
 ])
 def test_a_bad_retention_setting_is_a_configuration_error(env: dict[str, str]) -> None:
     from outbox.errors import ConfigurationError

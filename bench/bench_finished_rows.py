@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""Finished rows: what a history of delivered effects costs the hot path (issue 17).
+
+    uv run python bench/bench_finished_rows.py                         # 0, 1M, 5M; ~12 min
+    uv run python bench/bench_finished_rows.py --finished 0,1000000 --intervals 2
+
+One worker (bench_held_xmin's child: `run_worker` + `Dispatcher`, the engine `outbox
+worker` makes, concurrency = max_batch = 100, a no-op handler) drains a backlog of
+`--pending` due effects while the tables already hold `--finished` delivered effects,
+each with its attempt row, as `outbox.effects_history` / `outbox.effects` would after
+days of traffic (written by SQL, untimed, then VACUUM ANALYZE and CHECKPOINT: the
+state autovacuum keeps a live system in).
+
+Per cell, `--intervals` lines of `--interval` seconds: effects/s, the server's CPU per
+delivered effect (postgres processes of the scratch database plus the server's own
+background processes, bench_dispatch.CpuMonitor), the claim's time in the worker
+(median, p99) and the worker's CPU. The `retention` cell starts from `--retained`
+finished rows older than the horizon and runs `outbox purge --older-than 1h` (the CLI,
+a subprocess) while the worker drains: the claim's p99 then vs. without the purge is
+the "retention without moving the claim's p99" target; one retention cell per
+`--duties` value (`outbox purge --duty`: the share of time it spends deleting).
+
+Runs on the machine's PostgreSQL (autovacuum off there: nothing here needs it; the
+tables are vacuumed once after the fill) or any `DATABASE_URL`. Summary line: server
+µs per effect at each size and its ratio to the empty cell (target <= 1.1 at 5M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import bench_dispatch as bd  # noqa: E402
+import bench_held_xmin as bh  # noqa: E402
+from benchlib import pct  # noqa: E402
+
+DB = "bench_finished_rows"
+bd.DB = DB
+bh.DB = DB
+NOOP = bd.NOOP
+emit, log = bd.emit, bd.log
+
+
+def _history_table(c: Any) -> str:
+    """Where finished effects live: a history table if the schema has one."""
+    got = c.execute("SELECT to_regclass('outbox.effects_history') IS NOT NULL").fetchone()
+    return "outbox.effects_history" if got[0] else "outbox.effects"
+
+
+def fill_finished(scratch: bd.Scratch, n: int, age_hours: float) -> float:
+    """Add `n` delivered effects (finished `age_hours` ago) with their attempt rows."""
+    if n <= 0:
+        return 0.0
+    t = time.monotonic()
+    step = 500_000
+    with scratch.conn() as c:
+        table = _history_table(c)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            # Keys as an application makes them (random: scope, key, generation, name).
+            if table == "outbox.effects":
+                c.execute(
+                    "WITH ins AS (INSERT INTO outbox.effects (effect_key, kind, payload,"
+                    " status, attempts, available_at, created_at, delivered_at, finished_at)"
+                    " SELECT 'pay:' || md5(g::text || %s) || ':charge', %s,"
+                    " jsonb_build_object('order_id', g, 'amount', 1000 + g %% 500,"
+                    " 'currency', 'EUR'), 'delivered', 1, t, t, t, t"
+                    " FROM generate_series(%s, %s) g,"
+                    " LATERAL (SELECT now() - make_interval(secs => %s * 3600)) AS x(t)"
+                    " RETURNING id, finished_at)"
+                    " INSERT INTO outbox.attempts (effect_id, attempt, worker, started_at,"
+                    " finished_at, outcome) SELECT id, 1, 'fill', finished_at,"
+                    " finished_at, 'delivered' FROM ins",
+                    (str(time.time_ns()), NOOP, lo + 1, hi, age_hours))
+            else:
+                c.execute(
+                    "INSERT INTO outbox.effects_history (id, effect_key, kind, payload,"
+                    " headers, queue, status, attempts, max_attempts, available_at,"
+                    " created_at, delivered_at, finished_at, worker, started_at)"
+                    " SELECT -g, 'pay:' || md5(g::text || %s) || ':charge', %s,"
+                    " jsonb_build_object('order_id', g, 'amount', 1000 + g %% 500,"
+                    " 'currency', 'EUR'), '{}', 'default', 'delivered', 1, 25, t, t, t, t,"
+                    " 'fill', t FROM generate_series(%s, %s) g,"
+                    " LATERAL (SELECT now() - make_interval(secs => %s * 3600)) AS x(t)",
+                    (str(time.time_ns()), NOOP, lo + 1, hi, age_hours))
+            log(f"  filled {hi}/{n} finished rows ({time.monotonic() - t:.0f}s)")
+    return time.monotonic() - t
+
+
+def reset(scratch: bd.Scratch, pending: int, finished: int, age_hours: float) -> float:
+    with scratch.conn() as c:
+        hist = _history_table(c)
+        extra = ", outbox.effects_history" if hist != "outbox.effects" else ""
+        c.execute(f"TRUNCATE outbox.attempts, outbox.effects{extra}, public.bench_orders"
+                  " RESTART IDENTITY")
+    took = fill_finished(scratch, finished, age_hours)
+    with scratch.conn() as c:
+        c.execute(
+            "INSERT INTO outbox.effects (effect_key, kind, payload)"
+            " SELECT 'pay:' || md5(g::text || %s) || ':charge', %s,"
+            " jsonb_build_object('order_id', g, 'amount', 1000 + g %% 500,"
+            " 'currency', 'EUR') FROM generate_series(1, %s) g",
+            (f"p{time.time_ns()}", NOOP, pending))
+        for t in ("outbox.effects", "outbox.attempts", hist):
+            c.execute(f"VACUUM ANALYZE {t}")
+        c.execute("CHECKPOINT")
+    return took
+
+
+def sizes(scratch: bd.Scratch) -> dict[str, Any]:
+    with scratch.conn() as c:
+        hist = _history_table(c)
+        rels = ["outbox.effects", "outbox.attempts"] + ([hist] if hist != "outbox.effects"
+                                                          else [])
+        out = {}
+        for r in rels:
+            mb = c.execute("SELECT pg_total_relation_size(%s)", (r,)).fetchone()[0]
+            out[r.split(".")[1] + "_mb"] = round(int(mb) / 2**20)
+        return out
+
+
+def run_cell(args: argparse.Namespace, scratch: bd.Scratch, finished: int,
+             duty: float | None) -> dict[str, Any]:
+    purge = duty is not None
+    name = f"retention_{finished}_duty_{duty:g}" if purge else f"finished_{finished}"
+    log(f"{name}: filling ({finished} finished, {args.pending} pending)")
+    fill_s = reset(scratch, args.pending, finished, 48.0 if purge else 1.0)
+    size = sizes(scratch)
+    worker = bh.Worker(scratch.url, args.full_scan_every, args.batch)
+    assert worker.recv(60).get("ready")
+    roles = {worker.pid: "worker"}
+    purger: subprocess.Popen[str] | None = None
+    lines: list[dict[str, Any]] = []
+    all_claims: list[list[Any]] = []
+    try:
+        worker.send({"cmd": "go"})
+        time.sleep(args.warmup)
+        worker.send({"cmd": "sample"})
+        last = worker.recv(60)["delivered"]
+        if purge:
+            env = dict(os.environ, DATABASE_URL=scratch.url, PYTHONPATH=str(ROOT))
+            purger = subprocess.Popen(
+                [sys.executable, "-m", "dispatcher.cli", "purge", "--older-than", "1h",
+                 "--duty", str(duty)],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            roles[purger.pid] = "purge"
+            purge_t0 = time.monotonic()
+        t0 = time.monotonic()
+        for i in range(args.intervals):
+            mon = bd.CpuMonitor(DB, roles).start()
+            time.sleep(max(0.0, t0 + args.interval - time.monotonic()))
+            worker.send({"cmd": "sample"})
+            s = worker.recv(60)
+            t1 = time.monotonic()
+            cpu = mon.stop()
+            n = s["delivered"] - last
+            ms = [c[0] for c in s["claims"]]
+            all_claims += s["claims"]
+            pg = cpu.get("postgres")  # % of one core over the interval
+            row = {"bench": "finished_rows", "cell": name, "finished": finished,
+                   "interval": i, "rate": round(n / (t1 - t0), 1),
+                   "claim_ms_median": bh._r(statistics.median(ms)) if ms else None,
+                   "claim_ms_p99": bh._r(pct(ms, 99)) if ms else None,
+                   "purge_running": purger is not None and purger.poll() is None,
+                   "cpu": {k: v for k, v in cpu.items() if k != "other_top"},
+                   "load": bd.load()}
+            if pg is not None and n:
+                row["server_us_per_effect"] = round(pg / 100 * (t1 - t0) / n * 1e6, 1)
+                row["worker_us_per_effect"] = round(
+                    cpu.get("worker", 0.0) / 100 * (t1 - t0) / n * 1e6, 1)
+            emit(row)
+            lines.append(row)
+            last, t0 = s["delivered"], t1
+        worker.send({"cmd": "stop"})
+        worker.recv(60)
+    finally:
+        worker.close()
+        purge_rc = purge_s = None
+        if purger is not None:
+            try:
+                purger.wait(900)
+            except subprocess.TimeoutExpired:
+                purger.kill()
+            purge_rc = purger.returncode
+            purge_s = round(time.monotonic() - purge_t0, 1)
+    us = [r["server_us_per_effect"] for r in lines if "server_us_per_effect" in r]
+    ms = [c[0] for c in all_claims]
+    summary = {"bench": "finished_rows", "section": "cell", "cell": name,
+               "finished": finished, "fill_s": round(fill_s), **size,
+               "rate_median": statistics.median(r["rate"] for r in lines),
+               "server_us_per_effect_median": statistics.median(us) if us else None,
+               "claim_ms_median": bh._r(statistics.median(ms)) if ms else None,
+               "claim_ms_p99": bh._r(pct(ms, 99)) if ms else None}
+    if purge:
+        summary["purge_rc"] = purge_rc
+        summary["purge_s"] = purge_s  # at least: measured after the intervals
+        summary["duty"] = duty
+        with scratch.conn() as c:
+            hist = _history_table(c)
+            summary["finished_left"] = int(c.execute(
+                f"SELECT count(*) FROM {hist} WHERE status = 'delivered'"
+                " AND finished_at < now() - interval '1 hour'").fetchone()[0])
+    emit(summary)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_worker":
+        return bh.worker_main(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--finished", default="0,1000000,5000000",
+                    help="finished rows per cell, comma-separated")
+    ap.add_argument("--retained", type=int, default=1_000_000,
+                    help="the retention cells' purged rows (0: no retention cell)")
+    ap.add_argument("--duties", default="1,0.25",
+                    help="`outbox purge --duty` of each retention cell")
+    ap.add_argument("--pending", type=int, default=800_000)
+    ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--interval", type=float, default=10.0)
+    ap.add_argument("--intervals", type=int, default=3)
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--full-scan-every", type=float, default=2.0)
+    ap.add_argument("--keep-db", action="store_true")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from outbox._config import database_url
+
+    scratch = bd.Scratch(database_url())
+    scratch.create()
+    with scratch.conn() as c:
+        server = str(c.execute("SHOW server_version").fetchone()[0])
+        buffers = str(c.execute("SHOW shared_buffers").fetchone()[0])
+    cells: list[dict[str, Any]] = []
+    try:
+        for f in (int(x) for x in args.finished.split(",") if x):
+            cells.append(run_cell(args, scratch, f, duty=None))
+        if args.retained:
+            for d in (float(x) for x in args.duties.split(",") if x):
+                cells.append(run_cell(args, scratch, args.retained, duty=d))
+    finally:
+        if not args.keep_db:
+            scratch.drop()
+    base = next((c for c in cells if c["cell"] == "finished_0"), None)
+    ratios = {}
+    if base and base["server_us_per_effect_median"]:
+        for c in cells:
+            if c["server_us_per_effect_median"]:
+                ratios[c["cell"]] = round(c["server_us_per_effect_median"]
+                                          / base["server_us_per_effect_median"], 2)
+    git = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                         capture_output=True, text=True).stdout.strip()
+    emit({"bench": "finished_rows", "section": "summary", "server": server,
+          "shared_buffers": buffers, "git": git, "cores": os.cpu_count(),
+          "server_cpu_vs_empty": ratios,
+          "claim_p99_ms": {c["cell"]: c["claim_ms_p99"] for c in cells},
+          "load_end": bd.load()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
