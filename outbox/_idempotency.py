@@ -139,6 +139,14 @@ def sqlstate(exc: BaseException) -> str | None:
     return code if isinstance(code, str) else None
 
 
+class _KeyAppeared(ClaimLost):
+    """The atomic key's row was there at our INSERT. A ClaimLost to a caller of
+    `complete()` (its transaction must roll back); run() retries it like a
+    serialization failure, and the retry's read replays the twin's answer."""
+
+    sqlstate = "40001"
+
+
 def _is_transient(exc: BaseException) -> bool:
     """Serialization failures and deadlocks: the whole transaction may be retried."""
     return sqlstate(exc) in ("40001", "40P01")
@@ -390,6 +398,11 @@ class IdempotencyGuard:
                 scope=claim.scope, key=claim.key, token=claim.token,
                 status=response.status, headers=response.header_list(), body=response.body,
                 now=now)
+        if not stored and claim.mode == "atomic":
+            # The key's row is there though our read found none and we hold its lock: a
+            # twin's, written without the lock or committed after our snapshot. Retry
+            # the transaction (our work rolls back); its read replays the twin's answer.
+            raise _KeyAppeared("the key was completed by a twin; retrying")
         if not stored:
             idempotency_requests.add(1, {"outcome": "claim_lost"})
             raise ClaimLost("the idempotency key was taken over; this request's work "

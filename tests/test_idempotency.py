@@ -306,6 +306,38 @@ def test_f01_storm_at_higher_isolation_still_executes_once(
             assert effects(engine, key) == 2
 
 
+@pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ"])
+def test_a_key_committed_under_our_feet_rolls_our_work_back_and_replays(
+        engine: Engine, isolation: str) -> None:
+    """The key's row is there by the time our completion writes it (a twin our read
+    could not see: committed after our snapshot at REPEATABLE READ, or written without
+    the lock): nothing of ours commits, and run() retries the transaction, whose read
+    replays the twin's answer. Our work ran once and rolled back; the twin's stands.
+    (Before: ClaimLost at READ COMMITTED, a 500 for a request that has an answer.)"""
+    guard = IdempotencyGuard()
+    twin = response_for(7, "twin")
+
+    def sneak_in(conn: Connection, claim: Claim) -> None:
+        if claim.key != "under-feet" or getattr(sneak_in, "done", False):
+            return
+        sneak_in.done = True  # type: ignore[attr-defined]
+        with engine.begin() as other:
+            keysql.insert_completed_key(
+                scope=SCOPE, key="under-feet", fingerprint=FP, status=twin.status,
+                headers=twin.header_list(), body=twin.body, retention_seconds=600,
+                generation=uuid.uuid4()).run(other)
+
+    calls: list[uuid.UUID] = []
+    strict = engine.execution_options(isolation_level=isolation)
+    result = guard.run(strict, SCOPE, "under-feet", FP,
+                       make_work("under-feet", calls=calls, hook=sneak_in))
+    assert result.replayed and result.response == twin
+    assert len(calls) == 1                       # our work ran once ...
+    assert orders(engine, "under-feet") == 0     # ... and rolled back with its effects
+    assert effects(engine, "under-feet") == 0
+    assert key_status(engine, "under-feet") == "completed"
+
+
 # --- F02 / B12-B14 mismatch and scope --------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)

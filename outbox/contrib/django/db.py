@@ -22,11 +22,9 @@ from typing import Any
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from psycopg.rows import namedtuple_row
-from psycopg.types.json import JsonbLoader
 from sqlalchemy.engine import URL
 
-from outbox._driver import Result, Statement, SyncDB, sql
+from outbox._driver import Result, SyncDB, sql
 from outbox.errors import ConfigurationError
 
 # Connection parameters Django passes to psycopg.connect that are not libpq's.
@@ -65,12 +63,8 @@ class DjangoDB(SyncDB):
 
     __slots__ = ()
 
-    def execute(self, statement: Statement, params: Mapping[str, Any] | None = None) -> Result:
-        with self.conn.cursor(row_factory=namedtuple_row) as cur:
-            cur.adapters.register_loader("jsonb", JsonbLoader)
-            cur.execute(statement.sql, params)
-            rows = cur.fetchall() if cur.description is not None else []
-            return Result(rows, cur.rowcount)
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        super().__init__(conn, own_json=True)
 
 
 def outbox_db(using: str | None = None) -> DjangoDB:
