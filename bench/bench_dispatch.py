@@ -311,7 +311,7 @@ class Scratch:
             c.execute("CHECKPOINT")
 
     def delivered(self, c: Any) -> int:
-        return int(c.execute("SELECT count(*) FROM outbox.attempts"
+        return int(c.execute("SELECT count(*) FROM outbox.attempt_history"
                              " WHERE outcome = 'delivered'").fetchone()[0])
 
     def counts(self) -> dict[str, int]:
@@ -761,7 +761,9 @@ class Bench:
         for batch in self.args.batches:
             if batch == 1:
                 continue
-            for clients in (1, 4):
+            # The ceiling at 1 and 4 clients, and at each worker count of ours (the
+            # scaling curve, issue 17).
+            for clients in sorted({1, 4, *self.args.workers}):
                 self._peer(py, home, ["pgbench_outbox.py", "dispatch", "--batch", str(batch),
                                       "--clients", str(clients), "--duration", dur,
                                       "--runs", runs, "--prefill",

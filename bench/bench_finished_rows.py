@@ -7,9 +7,9 @@
 One worker (bench_held_xmin's child: `run_worker` + `Dispatcher`, the engine `outbox
 worker` makes, concurrency = max_batch = 100, a no-op handler) drains a backlog of
 `--pending` due effects while the tables already hold `--finished` delivered effects,
-each with its attempt row, as `outbox.effects_history` / `outbox.effects` would after
-days of traffic (written by SQL, untimed, then VACUUM ANALYZE and CHECKPOINT: the
-state autovacuum keeps a live system in).
+as the dispatcher leaves them after days of traffic (the delivered attempt on the
+effect row, or, before migration 0006, an attempts row each; written by SQL, untimed,
+then VACUUM ANALYZE and CHECKPOINT: the state autovacuum keeps a live system in).
 
 Per cell, `--intervals` lines of `--interval` seconds: effects/s, the server's CPU per
 delivered effect (postgres processes of the scratch database plus the server's own
@@ -53,24 +53,38 @@ NOOP = bd.NOOP
 emit, log = bd.emit, bd.log
 
 
-def _history_table(c: Any) -> str:
-    """Where finished effects live: a history table if the schema has one."""
-    got = c.execute("SELECT to_regclass('outbox.effects_history') IS NOT NULL").fetchone()
-    return "outbox.effects_history" if got[0] else "outbox.effects"
+def _delivery_on_row(c: Any) -> bool:
+    """Migration 0006: a delivered attempt lives on the effect row, not in attempts."""
+    got = c.execute("SELECT count(*) FROM information_schema.columns WHERE table_schema"
+                    " = 'outbox' AND table_name = 'effects' AND column_name = 'delivered_by'"
+                    ).fetchone()
+    return bool(got[0])
 
 
 def fill_finished(scratch: bd.Scratch, n: int, age_hours: float) -> float:
-    """Add `n` delivered effects (finished `age_hours` ago) with their attempt rows."""
+    """Add `n` delivered effects (finished `age_hours` ago), as the dispatcher leaves
+    them: the delivered attempt on the row (0006) or as an attempts row (before)."""
     if n <= 0:
         return 0.0
     t = time.monotonic()
     step = 500_000
     with scratch.conn() as c:
-        table = _history_table(c)
+        on_row = _delivery_on_row(c)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             # Keys as an application makes them (random: scope, key, generation, name).
-            if table == "outbox.effects":
+            if on_row:
+                c.execute(
+                    "INSERT INTO outbox.effects (effect_key, kind, payload, status,"
+                    " attempts, available_at, created_at, delivered_at, finished_at,"
+                    " delivered_by, delivered_started_at, delivered_http_status)"
+                    " SELECT 'pay:' || md5(g::text || %s) || ':charge', %s,"
+                    " jsonb_build_object('order_id', g, 'amount', 1000 + g %% 500,"
+                    " 'currency', 'EUR'), 'delivered', 1, t, t, t, t, 'fill', t, 200"
+                    " FROM generate_series(%s, %s) g,"
+                    " LATERAL (SELECT now() - make_interval(secs => %s * 3600)) AS x(t)",
+                    (str(time.time_ns()), NOOP, lo + 1, hi, age_hours))
+            else:
                 c.execute(
                     "WITH ins AS (INSERT INTO outbox.effects (effect_key, kind, payload,"
                     " status, attempts, available_at, created_at, delivered_at, finished_at)"
@@ -84,26 +98,13 @@ def fill_finished(scratch: bd.Scratch, n: int, age_hours: float) -> float:
                     " finished_at, outcome) SELECT id, 1, 'fill', finished_at,"
                     " finished_at, 'delivered' FROM ins",
                     (str(time.time_ns()), NOOP, lo + 1, hi, age_hours))
-            else:
-                c.execute(
-                    "INSERT INTO outbox.effects_history (id, effect_key, kind, payload,"
-                    " headers, queue, status, attempts, max_attempts, available_at,"
-                    " created_at, delivered_at, finished_at, worker, started_at)"
-                    " SELECT -g, 'pay:' || md5(g::text || %s) || ':charge', %s,"
-                    " jsonb_build_object('order_id', g, 'amount', 1000 + g %% 500,"
-                    " 'currency', 'EUR'), '{}', 'default', 'delivered', 1, 25, t, t, t, t,"
-                    " 'fill', t FROM generate_series(%s, %s) g,"
-                    " LATERAL (SELECT now() - make_interval(secs => %s * 3600)) AS x(t)",
-                    (str(time.time_ns()), NOOP, lo + 1, hi, age_hours))
             log(f"  filled {hi}/{n} finished rows ({time.monotonic() - t:.0f}s)")
     return time.monotonic() - t
 
 
 def reset(scratch: bd.Scratch, pending: int, finished: int, age_hours: float) -> float:
     with scratch.conn() as c:
-        hist = _history_table(c)
-        extra = ", outbox.effects_history" if hist != "outbox.effects" else ""
-        c.execute(f"TRUNCATE outbox.attempts, outbox.effects{extra}, public.bench_orders"
+        c.execute("TRUNCATE outbox.attempts, outbox.effects, public.bench_orders"
                   " RESTART IDENTITY")
     took = fill_finished(scratch, finished, age_hours)
     with scratch.conn() as c:
@@ -113,7 +114,7 @@ def reset(scratch: bd.Scratch, pending: int, finished: int, age_hours: float) ->
             " jsonb_build_object('order_id', g, 'amount', 1000 + g %% 500,"
             " 'currency', 'EUR') FROM generate_series(1, %s) g",
             (f"p{time.time_ns()}", NOOP, pending))
-        for t in ("outbox.effects", "outbox.attempts", hist):
+        for t in ("outbox.effects", "outbox.attempts"):
             c.execute(f"VACUUM ANALYZE {t}")
         c.execute("CHECKPOINT")
     return took
@@ -121,11 +122,8 @@ def reset(scratch: bd.Scratch, pending: int, finished: int, age_hours: float) ->
 
 def sizes(scratch: bd.Scratch) -> dict[str, Any]:
     with scratch.conn() as c:
-        hist = _history_table(c)
-        rels = ["outbox.effects", "outbox.attempts"] + ([hist] if hist != "outbox.effects"
-                                                          else [])
         out = {}
-        for r in rels:
+        for r in ("outbox.effects", "outbox.attempts"):
             mb = c.execute("SELECT pg_total_relation_size(%s)", (r,)).fetchone()[0]
             out[r.split(".")[1] + "_mb"] = round(int(mb) / 2**20)
         return out
@@ -208,9 +206,8 @@ def run_cell(args: argparse.Namespace, scratch: bd.Scratch, finished: int,
         summary["purge_s"] = purge_s  # at least: measured after the intervals
         summary["duty"] = duty
         with scratch.conn() as c:
-            hist = _history_table(c)
             summary["finished_left"] = int(c.execute(
-                f"SELECT count(*) FROM {hist} WHERE status = 'delivered'"
+                "SELECT count(*) FROM outbox.effects WHERE status = 'delivered'"
                 " AND finished_at < now() - interval '1 hour'").fetchone()[0])
     emit(summary)
     return summary

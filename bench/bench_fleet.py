@@ -121,7 +121,7 @@ class Scratch:
 
     def delivered(self, short: str) -> int:
         row = self.conns[short].execute(
-            "SELECT count(*) FROM outbox.attempts WHERE outcome = 'delivered'").fetchone()
+            "SELECT count(*) FROM outbox.attempt_history WHERE outcome = 'delivered'").fetchone()
         return int(row[0])
 
     def pending(self, short: str) -> int:

@@ -137,6 +137,12 @@ effects = Table(
     Column("finished_at", TS),
     Column("last_error", Text),
     Column("result", JSONB),
+    # The delivered attempt (migration 0006): written by the record UPDATE instead of an
+    # outbox.attempts row; outbox.attempt_history shows it with the other attempts.
+    Column("delivered_by", Text),
+    Column("delivered_started_at", TS),
+    Column("delivered_http_status", Integer),
+    Column("delivered_trace_id", Text),
     UniqueConstraint("effect_key"),
     CheckConstraint(_in("status", EffectStatus), name="status"),
     CheckConstraint("length(effect_key) BETWEEN 1 AND 255", name="effect_key_length"),
@@ -148,6 +154,8 @@ effects = Table(
         name="lease_iff_in_flight",
     ),
     CheckConstraint("(status = 'delivered') = (delivered_at IS NOT NULL)", name="delivered_at"),
+    CheckConstraint("delivered_by IS NULL OR (status = 'delivered'"
+                    " AND delivered_started_at IS NOT NULL)", name="delivered_attempt"),
     CheckConstraint(
         "(status IN ('delivered', 'failed', 'cancelled', 'needs_review'))"
         " = (finished_at IS NOT NULL)",

@@ -45,7 +45,7 @@ def effect_row(engine: Engine, key: str) -> Row[Any]:
 def attempts_of(engine: Engine, effect_id: int) -> list[Row[Any]]:
     with engine.connect() as conn:
         return list(conn.execute(text(
-            "SELECT * FROM outbox.attempts WHERE effect_id = :i ORDER BY attempt, id"),
+            "SELECT * FROM outbox.attempt_history WHERE effect_id = :i ORDER BY attempt, id"),
             {"i": effect_id}))
 
 
@@ -58,7 +58,7 @@ def status_counts(engine: Engine) -> dict[str, int]:
 def outcome_counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         return {r.outcome: int(r.n) for r in conn.execute(text(
-            "SELECT outcome, count(*) AS n FROM outbox.attempts GROUP BY outcome"))}
+            "SELECT outcome, count(*) AS n FROM outbox.attempt_history GROUP BY outcome"))}
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, *, interval: float = 0.1,

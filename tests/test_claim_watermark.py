@@ -447,6 +447,6 @@ def test_a_row_locked_behind_the_watermark_is_delivered_once_released(
             _observe(engine, run, "held", full_scan_every, released_at)
     with engine.connect() as conn:
         attempts = conn.execute(text(
-            "SELECT count(*) FROM outbox.attempts a JOIN outbox.effects e"
+            "SELECT count(*) FROM outbox.attempt_history a JOIN outbox.effects e"
             " ON e.id = a.effect_id WHERE e.effect_key = 'held'")).scalar_one()
     assert attempts == 1

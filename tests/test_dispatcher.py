@@ -345,7 +345,7 @@ def test_record_outcomes_is_one_statement_per_batch(engine: Engine) -> None:
     with engine.connect() as conn:
         waits = conn.execute(text(
             "SELECT DISTINCT round(extract(epoch FROM e.available_at - a.finished_at))"
-            " FROM outbox.effects e JOIN outbox.attempts a ON a.effect_id = e.id"
+            " FROM outbox.effects e JOIN outbox.attempt_history a ON a.effect_id = e.id"
             " WHERE e.status = 'pending'")).scalars().all()
     assert waits == [30]
 
@@ -515,7 +515,7 @@ def test_f22_http_classification_table(engine: Engine, psp: Receiver, http_cls: 
                 "SELECT e.effect_key, e.status, a.outcome, a.http_status,"
                 " CASE WHEN e.status = 'pending'"
                 "      THEN extract(epoch FROM e.available_at - a.finished_at) END AS delay"
-                " FROM outbox.effects e JOIN outbox.attempts a ON a.effect_id = e.id")):
+                " FROM outbox.effects e JOIN outbox.attempt_history a ON a.effect_id = e.id")):
             got[r.effect_key] = (r.outcome, r.status,
                                  None if r.delay is None else round(float(r.delay)))
     expected = {k: (v[2], v[3], v[4]) for k, v in table.items()}
@@ -527,7 +527,7 @@ def test_f22_http_classification_table(engine: Engine, psp: Receiver, http_cls: 
     with engine.connect() as conn:
         statuses = dict(conn.execute(text(
             "SELECT e.effect_key, a.http_status FROM outbox.effects e"
-            " JOIN outbox.attempts a ON a.effect_id = e.id")).all())
+            " JOIN outbox.attempt_history a ON a.effect_id = e.id")).all())
     assert statuses["s429"] == 429 and statuses["s422"] == 422 and statuses["s500"] == 500
     assert statuses["timeout"] is None and statuses["refused"] is None
     # The receiver saw every key exactly once, each with its effect key.

@@ -106,13 +106,13 @@ def check_exactly_once(engine: Engine, psp: ReceiverProcess, expected: Sequence[
         # Attempt rows vs the counter: a recorded attempt never exceeds the claims.
         over = conn.execute(text(
             "SELECT e.effect_key, e.attempts, count(a.id) AS rows FROM outbox.effects e"
-            " JOIN outbox.attempts a ON a.effect_id = e.id AND a.outcome <> 'lease_lost'"
+            " JOIN outbox.attempt_history a ON a.effect_id = e.id AND a.outcome <> 'lease_lost'"
             " GROUP BY e.id HAVING count(a.id) > e.attempts LIMIT 10")).all()
         assert over == [], f"more recorded attempts than claims: {over}"
         # No two claims of one effect overlapped in time (a double claim).
         overlap = conn.execute(text(
-            "SELECT a.effect_id, a.worker, b.worker FROM outbox.attempts a"
-            " JOIN outbox.attempts b ON a.effect_id = b.effect_id AND a.id < b.id"
+            "SELECT a.effect_id, a.worker, b.worker FROM outbox.attempt_history a"
+            " JOIN outbox.attempt_history b ON a.effect_id = b.effect_id AND a.id < b.id"
             " WHERE a.outcome <> 'lease_lost' AND b.outcome <> 'lease_lost'"
             "   AND a.started_at < b.finished_at AND b.started_at < a.finished_at"
             " LIMIT 10")).all()
@@ -124,7 +124,7 @@ def check_exactly_once(engine: Engine, psp: ReceiverProcess, expected: Sequence[
             assert multi == [], f"claimed more than once: {multi}"
             rows = conn.execute(text(
                 "SELECT count(*) FILTER (WHERE outcome = 'delivered'), count(*)"
-                " FROM outbox.attempts")).one()
+                " FROM outbox.attempt_history")).one()
             assert tuple(rows) == (len(expected), len(expected))
     if single_attempt:
         assert stats["deliveries"] == len(expected)
@@ -164,7 +164,7 @@ def test_f16_eight_workers_deliver_every_effect_exactly_once(
     stats = check_exactly_once(engine, psp, expected)
     with engine.connect() as conn:
         per_worker = conn.execute(text(
-            "SELECT worker, count(*) FROM outbox.attempts GROUP BY worker")).all()
+            "SELECT worker, count(*) FROM outbox.attempt_history GROUP BY worker")).all()
         lag = conn.execute(text(
             "SELECT percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP"
             " (ORDER BY extract(epoch FROM delivered_at - created_at)) FROM outbox.effects"
@@ -435,7 +435,7 @@ def test_f15_f27_celery_early_and_duplicated_doorbells_do_nothing_twice(
     check_exactly_once(engine, psp, ["f15-early", *expected])
     with engine.connect() as conn:
         claimers = conn.execute(text(
-            "SELECT count(DISTINCT worker) FROM outbox.attempts"
+            "SELECT count(DISTINCT worker) FROM outbox.attempt_history"
             " WHERE effect_id IN (SELECT id FROM outbox.effects WHERE effect_key LIKE 'f27-%')"
             )).scalar_one()
     log = worker.tail(100_000)

@@ -406,6 +406,6 @@ def test_manage_py_outbox_worker_delivers_each_charge_once(django_base: str, eng
     assert code == 0, output
     with engine.connect() as conn:
         keys = conn.execute(text("SELECT effect_key FROM outbox.effects")).scalars().all()
-        attempts = conn.execute(text("SELECT count(*) FROM outbox.attempts")).scalar_one()
+        attempts = conn.execute(text("SELECT count(*) FROM outbox.attempt_history")).scalar_one()
     psp_process.assert_exactly_once(keys)
     assert attempts >= len(keys) == 8

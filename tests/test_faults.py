@@ -592,16 +592,17 @@ def test_f26_postgres_crash_and_restart_under_load(
         with db.connect() as conn:
             lost_rows = conn.execute(text(
                 "SELECT a.effect_id, a.attempt, e.attempts,"
-                "       EXISTS (SELECT 1 FROM outbox.attempts b WHERE b.effect_id = a.effect_id"
-                "               AND b.attempt = a.attempt AND b.worker = a.worker"
+                "       EXISTS (SELECT 1 FROM outbox.attempt_history b"
+                "               WHERE b.effect_id = a.effect_id AND b.attempt = a.attempt"
+                "               AND b.worker = a.worker"
                 "               AND b.outcome <> 'lease_lost') AS acked_twice"
-                "  FROM outbox.attempts a JOIN outbox.effects e ON e.id = a.effect_id"
+                "  FROM outbox.attempt_history a JOIN outbox.effects e ON e.id = a.effect_id"
                 " WHERE a.outcome = 'lease_lost'")).all()
         assert all(r.acked_twice or r.attempt < r.attempts for r in lost_rows), lost_rows
         acked_twice = sum(1 for r in lost_rows if r.acked_twice)
         with db.connect() as conn:
             outcomes = {r.outcome: int(r.n) for r in conn.execute(text(
-                "SELECT outcome, count(*) AS n FROM outbox.attempts GROUP BY outcome"))}
+                "SELECT outcome, count(*) AS n FROM outbox.attempt_history GROUP BY outcome"))}
             lag = summarize(float(v) for v in conn.execute(text(
                 "SELECT extract(epoch FROM delivered_at - created_at) FROM outbox.effects"
             )).scalars())

@@ -135,7 +135,7 @@ def check_database(db: Db, expected: Sequence[str], *, single_attempt: bool) -> 
         n = conn.execute(text("SELECT count(*) FROM outbox.effects")).scalar_one()
         assert n == len(expected)
         overlap = conn.execute(text(
-            "SELECT a.effect_id FROM outbox.attempts a JOIN outbox.attempts b"
+            "SELECT a.effect_id FROM outbox.attempt_history a JOIN outbox.attempt_history b"
             " ON a.effect_id = b.effect_id AND a.id < b.id"
             " WHERE a.outcome <> 'lease_lost' AND b.outcome <> 'lease_lost'"
             "   AND a.started_at < b.finished_at AND b.started_at < a.finished_at"
@@ -480,7 +480,7 @@ def test_one_worker_two_databases_each_effect_applied_once(
     for db in (a, b):
         with db.engine.connect() as conn:
             owners[db.name] = set(conn.execute(text(
-                "SELECT DISTINCT worker FROM outbox.attempts")).scalars())
+                "SELECT DISTINCT worker FROM outbox.attempt_history")).scalars())
             apps = set(conn.execute(text(
                 "SELECT application_name FROM pg_stat_activity"
                 " WHERE datname = current_database()")).scalars())
@@ -624,7 +624,7 @@ def test_sigterm_releases_leases_in_every_database(
                 "SELECT count(*) FROM outbox.effects WHERE status = 'in_flight'"
                 " OR lease_owner IS NOT NULL")).scalar_one()
             released = conn.execute(text(
-                "SELECT count(*) FROM outbox.attempts WHERE error LIKE 'released:%'"
+                "SELECT count(*) FROM outbox.attempt_history WHERE error LIKE 'released:%'"
                 )).scalar_one()
         assert held == 0, f"{db.name}: leases left behind"
         assert released > 0, f"{db.name}: nothing was released"

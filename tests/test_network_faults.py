@@ -607,7 +607,8 @@ def test_deliveries_recover_from_a_silenced_receiver_under_load(
         delivered = list(conn.execute(text(
             "SELECT effect_key FROM outbox.effects WHERE status = 'delivered'")).scalars())
         unsafe_ambiguous = conn.execute(text(
-            "SELECT count(*) FROM outbox.attempts a JOIN outbox.effects e ON e.id = a.effect_id"
+            "SELECT count(*) FROM outbox.attempt_history a"
+            " JOIN outbox.effects e ON e.id = a.effect_id"
             " WHERE e.kind = 'psp.unsafe' AND a.outcome = 'ambiguous'")).scalar_one()
     applied = psp_process.applied_counts()
     assert all(applied.get(k) == 1 for k in delivered), "a delivered effect not applied once"

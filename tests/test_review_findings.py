@@ -284,6 +284,60 @@ def test_retried_record_after_a_lost_commit_reply_adds_no_attempt_row(engine: En
         assert dsql.record_outcomes(conn, [outcome], "w1") == {}
     with engine.connect() as conn:
         outcomes = conn.execute(text(
-            "SELECT outcome FROM outbox.attempts WHERE effect_id = :id"), {"id": row.id}
+            "SELECT outcome FROM outbox.attempt_history WHERE effect_id = :id"), {"id": row.id}
         ).scalars().all()
     assert outcomes == ["delivered"]
+
+
+def test_a_delivery_is_kept_on_the_effect_row_and_shown_in_the_history(
+        engine: Engine, db_url: str) -> None:
+    """Issue 11: a delivered attempt writes no outbox.attempts row (the record UPDATE
+    keeps it on the effect row); every other attempt still gets one, and
+    outbox.attempt_history, `outbox trace` and the console show them all, in order."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from datetime import UTC, datetime
+
+    from outbox import enqueue
+    from outbox.sql import dispatch as dsql
+
+    with engine.begin() as conn:
+        enqueue(conn, "k", {"x": 1}, key="kept-on-row")
+    attempts = []
+    for n, (outcome, status) in enumerate([("retry", "pending"),
+                                           ("delivered", "delivered")], start=1):
+        with engine.begin() as conn:
+            (row,) = dsql.claim_due(conn, queue="default", limit=1, owner=f"w{n}",
+                                    lease_seconds=30)
+        started = datetime.now(UTC)
+        attempts.append(started)
+        out = dsql.Outcome(effect_id=row.id, lease_token=row.lease_token, attempt=n,
+                           outcome=outcome, next_status=status, started_at=started,
+                           http_status=503 if n == 1 else 201, trace_id=f"t{n}",
+                           error="busy" if n == 1 else None)
+        with engine.begin() as conn:
+            assert dsql.record_outcomes(conn, [out], f"w{n}") == {row.id: outcome}
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT outcome FROM outbox.attempts WHERE effect_id = :i"),
+                            {"i": row.id}).scalars().all() == ["retry"]
+        kept = conn.execute(text(
+            "SELECT delivered_by, delivered_started_at, delivered_http_status,"
+            " delivered_trace_id, status FROM outbox.effects WHERE id = :i"),
+            {"i": row.id}).one()
+        history = conn.execute(text(
+            "SELECT attempt, worker, started_at, outcome, http_status, trace_id"
+            " FROM outbox.attempt_history WHERE effect_id = :i ORDER BY attempt"),
+            {"i": row.id}).all()
+    assert tuple(kept) == ("w2", attempts[1], 201, "t2", "delivered")
+    assert [tuple(h) for h in history] == [
+        (1, "w1", attempts[0], "retry", 503, "t1"),
+        (2, "w2", attempts[1], "delivered", 201, "t2")]
+    done = subprocess.run([sys.executable, "-m", "dispatcher.cli", "trace", "kept-on-row",
+                           "--json"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DATABASE_URL": db_url})
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert [a["outcome"] for a in shown["attempts"]] == ["retry", "delivered"]
+    assert [a["worker"] for a in shown["attempts"]] == ["w1", "w2"]

@@ -626,10 +626,10 @@ def state(engine: Engine) -> dict[str, Any]:
             return sorted(conn.execute(text(sql)).scalars())
         return {
             "effects": col("SELECT effect_key FROM outbox.effects"),
-            "attempts": col("SELECT e.effect_key FROM outbox.attempts a"
+            "attempts": col("SELECT e.effect_key FROM outbox.attempt_history a"
                             " JOIN outbox.effects e ON e.id = a.effect_id"),
             "orphan_attempts": conn.execute(text(
-                "SELECT count(*) FROM outbox.attempts a WHERE NOT EXISTS (SELECT 1 FROM"
+                "SELECT count(*) FROM outbox.attempt_history a WHERE NOT EXISTS (SELECT 1 FROM"
                 " outbox.effects e WHERE e.id = a.effect_id)")).scalar(),
             "keys": col("SELECT key FROM outbox.idempotency_keys"),
             "inbox": col("SELECT event_id FROM outbox.inbox"),

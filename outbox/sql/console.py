@@ -279,7 +279,7 @@ _ATTEMPTS_PER_MINUTE = text(
     SELECT date_trunc('minute', finished_at) AS minute,
            count(*) FILTER (WHERE outcome = 'delivered') AS delivered,
            count(*) FILTER (WHERE outcome <> 'delivered') AS failed
-      FROM outbox.attempts
+      FROM outbox.attempt_history
      WHERE finished_at >= date_trunc('minute', {_NOW}) - make_interval(mins => :minutes - 1)
      GROUP BY 1 ORDER BY 1
     """

@@ -301,13 +301,22 @@ _RECORD = _sql(
                finished_at = CASE WHEN v.next_status IN ('delivered', 'failed', 'needs_review')
                                   THEN {_NOW} END,
                last_error = coalesce(v.error, e.last_error),
-               result = coalesce(CAST(v.result AS jsonb), e.result)
+               result = coalesce(CAST(v.result AS jsonb), e.result),
+               delivered_by = CASE WHEN v.next_status = 'delivered' THEN :worker END,
+               delivered_started_at = CASE WHEN v.next_status = 'delivered'
+                                           THEN v.started_at END,
+               delivered_http_status = CASE WHEN v.next_status = 'delivered'
+                                            THEN v.http_status END,
+               delivered_trace_id = CASE WHEN v.next_status = 'delivered'
+                                         THEN v.trace_id END
           FROM v
          WHERE e.id = v.id AND e.lease_token = v.token  -- in flight: see `_EXTEND`
-        RETURNING e.id, v.token
-    )
+        RETURNING e.id, v.token, e.status
+    ), ins AS (
     -- Join back on (id, token), not id alone: a stale outcome that shares a batch with
     -- the live outcome for the same effect must still be recorded as lease_lost.
+    -- A delivery the UPDATE applied is not inserted: the effect row now holds it
+    -- (delivered_by, ...: migration 0006; outbox.attempt_history shows it).
     INSERT INTO outbox.attempts
            (effect_id, attempt, worker, started_at, finished_at, outcome, http_status,
             error, trace_id)
@@ -315,7 +324,8 @@ _RECORD = _sql(
            CASE WHEN upd.id IS NULL THEN 'lease_lost' ELSE v.outcome END,
            v.http_status, v.error, v.trace_id
       FROM v LEFT JOIN upd ON upd.id = v.id AND upd.token = v.token
-     WHERE EXISTS (SELECT 1 FROM outbox.effects x WHERE x.id = v.id)
+     WHERE (upd.id IS NULL OR upd.status <> 'delivered')
+       AND EXISTS (SELECT 1 FROM outbox.effects x WHERE x.id = v.id)
        -- A retried record whose first COMMIT landed (the reply was lost) must not add
        -- a second, spurious lease_lost row for an attempt already recorded. Only a
        -- fenced row (upd.id IS NULL) can be such a repeat: had the first try committed,
@@ -324,10 +334,18 @@ _RECORD = _sql(
        -- row, a cached generic plan seq-scanned outbox.attempts once per outcome
        -- (planned while the table was small), so each record got slower as it grew.
        AND (upd.id IS NOT NULL
-            OR NOT EXISTS (SELECT 1 FROM outbox.attempts a
-                            WHERE a.effect_id = v.id AND a.attempt = v.attempt
-                              AND a.worker = :worker AND a.started_at = v.started_at))
+            OR (NOT EXISTS (SELECT 1 FROM outbox.attempts a
+                             WHERE a.effect_id = v.id AND a.attempt = v.attempt
+                               AND a.worker = :worker AND a.started_at = v.started_at)
+                -- ... nor for a delivery it recorded on the effect row
+                AND NOT EXISTS (SELECT 1 FROM outbox.effects d
+                                 WHERE d.id = v.id AND d.delivered_by = :worker
+                                   AND d.delivered_started_at = v.started_at)))
     RETURNING effect_id, outcome
+    )
+    SELECT effect_id, outcome FROM ins
+    UNION ALL
+    SELECT upd.id, 'delivered' FROM upd WHERE upd.status = 'delivered'
     """
 )
 

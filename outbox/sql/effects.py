@@ -189,7 +189,8 @@ def get_effect(conn: Connection, ident: str) -> Row[Any] | None:
 
 
 _ATTEMPTS = text(
-    "SELECT * FROM outbox.attempts WHERE effect_id = :effect_id ORDER BY attempt, id"
+    "SELECT * FROM outbox.attempt_history WHERE effect_id = :effect_id"
+    " ORDER BY attempt, finished_at, id"
 )
 
 

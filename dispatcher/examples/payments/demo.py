@@ -548,7 +548,7 @@ _EFFECTS = text(
     SELECT p.id AS payment_id, p.idempotency_key, e.id, e.kind, e.effect_key, e.status,
            e.attempts,
            extract(epoch FROM e.delivered_at - e.created_at) AS lag,
-           (SELECT count(*) FROM outbox.attempts a WHERE a.effect_id = e.id) AS recorded
+           (SELECT count(*) FROM outbox.attempt_history a WHERE a.effect_id = e.id) AS recorded
       FROM payments.payments p
       LEFT JOIN outbox.effects e ON e.id > :watermark
                                 AND e.payload->>'payment_id' = CAST(p.id AS text)
@@ -560,7 +560,7 @@ _EFFECTS = text(
 _ATTEMPTS = text(
     """
     SELECT a.outcome, a.http_status, count(*) AS n
-      FROM outbox.attempts a JOIN outbox.effects e ON e.id = a.effect_id
+      FROM outbox.attempt_history a JOIN outbox.effects e ON e.id = a.effect_id
      WHERE e.id = ANY(:ids) AND a.outcome <> 'delivered'
      GROUP BY a.outcome, a.http_status
     """

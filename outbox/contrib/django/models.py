@@ -60,7 +60,8 @@ class Effect(models.Model):
 
 
 class Attempt(models.Model):
-    """outbox.attempts: one row per delivery attempt, with the trace it ran in."""
+    """outbox.attempt_history: one row per delivery attempt, with the trace it ran in
+    (a view: outbox.attempts, and each delivered attempt kept on its effect row)."""
 
     id = models.BigIntegerField(primary_key=True)
     effect = models.ForeignKey(Effect, on_delete=models.DO_NOTHING, db_column="effect_id",
@@ -77,7 +78,7 @@ class Attempt(models.Model):
 
     class Meta:
         managed = False
-        db_table = '"outbox"."attempts"'
+        db_table = '"outbox"."attempt_history"'
         ordering = ("effect_id", "attempt", "id")
         verbose_name = "attempt"
 
