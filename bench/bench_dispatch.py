@@ -554,7 +554,8 @@ class Bench:
         pre_busy = wait_quiet(timeout=self.args.quiet_timeout)
         load0 = load()
         for w in workers:
-            w.send({"cmd": "go", "concurrency": batch, "max_batch": batch, "listen": True,
+            w.send({"cmd": "go", "concurrency": self.args.concurrency or batch,
+                    "max_batch": batch, "listen": True,
                     "poll": 1.0})
         with self.db.conn() as c:
             time.sleep(self.args.warmup)
@@ -622,7 +623,8 @@ class Bench:
         mr = min(runs, key=lambda r: abs(r["rate"] - med))
         row = {"bench": "outbox_dispatch", "section": "work",
                "handler": HANDLER_NAMES[handler],
-               "workers": workers, "batch": batch, "concurrency": batch,
+               "workers": workers, "batch": batch,
+               "concurrency": self.args.concurrency or batch,
                "rate_median": med, "rates": rates,
                "delivered_in_window": mr["delivered_in_window"], "window_s": mr["window_s"],
                "prefill": mr["prefill"], "lease_lost": sum(r["lease_lost"] for r in runs),
@@ -871,6 +873,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--handlers", default="noop,http,http_async")
     ap.add_argument("--workers", default=None, help="worker processes, e.g. 1,2,4,8")
     ap.add_argument("--batches", default=None, help="concurrency = max_batch, e.g. 1,10,100")
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="ours: slots per worker, whatever the batch (0: = the batch); "
+                    "pgqueuer's batches run with unlimited concurrency")
     ap.add_argument("--clients", default="1,4", help="enqueue client processes")
     ap.add_argument("--duration", type=float, default=None, help="timed window, seconds")
     ap.add_argument("--warmup", type=float, default=None)

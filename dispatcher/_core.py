@@ -139,6 +139,10 @@ class Dispatcher:
         self._inflight: dict[int, _InFlight] = {}
         self._last_extend = time.monotonic()
         self._last_claim = 0.0
+        # The last claim raised (its database down or unreachable): under a shared slot
+        # budget, ask for one slot until a claim succeeds again, so a claim stuck in its
+        # reconnect retries does not hold this database's whole share from the others.
+        self._claim_failed = False
         # Claim when at least this many slots are free (or after CLAIM_COOLDOWN): one
         # claim per freed slot would cost a round trip per effect.
         self._claim_min = max(1, math.ceil(min(concurrency, max_batch) / 2))
@@ -246,12 +250,14 @@ class Dispatcher:
             return 0
         if self.slots is None:
             return self._start(free)
-        granted = self.slots.acquire(free)
+        granted = self.slots.acquire(1 if self._claim_failed else free)
         if granted <= 0:
             return 0
         got = 0
+        self._claim_failed = True  # until this claim returns
         try:
             got = self._start(granted)
+            self._claim_failed = False
         finally:
             self.slots.settle(granted, got)
         return got

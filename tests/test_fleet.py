@@ -335,6 +335,49 @@ def test_the_budget_never_hands_out_more_than_the_total() -> None:
             assert all(x.slots.reserved == 0 for x in ms)
 
 
+def test_a_database_whose_claims_fail_asks_for_one_slot_not_its_share(
+        engine: Engine) -> None:
+    """A database that goes down after start: its claim sits in its reconnect retries
+    (up to 10 s) holding what it was granted. After one failed claim it asks for one
+    slot until a claim succeeds, so the healthy database borrows the rest meanwhile
+    (a review finding: it kept its whole share reserved through the outage)."""
+    from sqlalchemy.exc import OperationalError
+
+    budget = SlotBudget(8, 2)
+    mine = budget.member("down")
+    d = Dispatcher(engine, Registry(), concurrency=8, max_batch=8, slots=mine)
+    mine.bind(d)
+    b = FakeMember(budget, "up")
+    asked: list[int] = []
+    acquire = mine.acquire
+
+    def spy(want: int) -> int:
+        asked.append(want)
+        return acquire(want)
+
+    mine.acquire = spy  # type: ignore[method-assign]
+    borrowed: list[int] = []
+
+    def stuck(limit: int) -> list[Any]:
+        # While this claim is stuck, the healthy database claims as much as it may.
+        borrowed.append(b.claim(8, due=1000))
+        b.finish(b.inflight)
+        raise OperationalError("SELECT 1", {}, Exception("server closed the connection"))
+
+    real_claim = d.producer.claim
+    d.producer.claim = stuck  # type: ignore[method-assign]
+    for _ in range(2):
+        with pytest.raises(OperationalError):
+            d.fill()
+    assert asked == [8, 1]
+    assert borrowed == [0, 7]  # the first stuck claim held all 8; the next only one
+    d.producer.claim = real_claim  # type: ignore[method-assign]
+    assert d.fill() == 0        # back up (nothing due): one slot asked, the flag cleared
+    assert d.fill() == 0
+    assert asked == [8, 1, 1, 8]
+    d.shutdown(grace=1.0)
+
+
 # --------------------------------------------------------------------------- metrics
 
 
