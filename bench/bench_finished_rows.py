@@ -33,6 +33,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -155,8 +156,21 @@ def run_cell(args: argparse.Namespace, scratch: bd.Scratch, finished: int,
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             roles[purger.pid] = "purge"
             purge_t0 = time.monotonic()
+            ended: list[float] = []
+            waiter = threading.Thread(
+                target=lambda p=purger: (p.wait(), ended.append(time.monotonic())),
+                daemon=True)
+            waiter.start()
         t0 = time.monotonic()
-        for i in range(args.intervals):
+        i = -1
+        # Retention cells: intervals until the purge has ended (at most --max-intervals);
+        # the others: --intervals.
+        while True:
+            i += 1
+            if purger is None and i >= args.intervals:
+                break
+            if purger is not None and (ended or i >= args.max_intervals):
+                break
             mon = bd.CpuMonitor(DB, roles).start()
             time.sleep(max(0.0, t0 + args.interval - time.monotonic()))
             worker.send({"cmd": "sample"})
@@ -171,7 +185,7 @@ def run_cell(args: argparse.Namespace, scratch: bd.Scratch, finished: int,
                    "interval": i, "rate": round(n / (t1 - t0), 1),
                    "claim_ms_median": bh._r(statistics.median(ms)) if ms else None,
                    "claim_ms_p99": bh._r(pct(ms, 99)) if ms else None,
-                   "purge_running": purger is not None and purger.poll() is None,
+                   "purge_running": purger is not None and not ended,
                    "cpu": {k: v for k, v in cpu.items() if k != "other_top"},
                    "load": bd.load()}
             if pg is not None and n:
@@ -179,7 +193,7 @@ def run_cell(args: argparse.Namespace, scratch: bd.Scratch, finished: int,
                 row["worker_us_per_effect"] = round(
                     cpu.get("worker", 0.0) / 100 * (t1 - t0) / n * 1e6, 1)
             emit(row)
-            lines.append(row)
+            lines.append({**row, "_claims": s["claims"]})
             last, t0 = s["delivered"], t1
         worker.send({"cmd": "stop"})
         worker.recv(60)
@@ -191,8 +205,12 @@ def run_cell(args: argparse.Namespace, scratch: bd.Scratch, finished: int,
                 purger.wait(900)
             except subprocess.TimeoutExpired:
                 purger.kill()
+            waiter.join(5)
             purge_rc = purger.returncode
-            purge_s = round(time.monotonic() - purge_t0, 1)
+            purge_s = round((ended[0] if ended else time.monotonic()) - purge_t0, 1)
+    if purge:  # only the intervals the purge ran through, start to end
+        lines = [r for r in lines if r["purge_running"]] or lines
+        all_claims = [c for r in lines for c in r.pop("_claims")]
     us = [r["server_us_per_effect"] for r in lines if "server_us_per_effect" in r]
     ms = [c[0] for c in all_claims]
     summary = {"bench": "finished_rows", "section": "cell", "cell": name,
@@ -203,7 +221,7 @@ def run_cell(args: argparse.Namespace, scratch: bd.Scratch, finished: int,
                "claim_ms_p99": bh._r(pct(ms, 99)) if ms else None}
     if purge:
         summary["purge_rc"] = purge_rc
-        summary["purge_s"] = purge_s  # at least: measured after the intervals
+        summary["purge_s"] = purge_s
         summary["duty"] = duty
         with scratch.conn() as c:
             summary["finished_left"] = int(c.execute(
@@ -228,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=100)
     ap.add_argument("--interval", type=float, default=10.0)
     ap.add_argument("--intervals", type=int, default=3)
+    ap.add_argument("--max-intervals", type=int, default=30,
+                    help="retention cells: intervals until the purge ends, at most this")
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--full-scan-every", type=float, default=2.0)
     ap.add_argument("--keep-db", action="store_true")

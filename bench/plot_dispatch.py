@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
     series: list[tuple[str, list[float], str]] = [
         ("ours (pg-outbox)", [ours[c] for c in configs], "#2b6cb0"),
         ("raw-SQL ceiling (pgbench, same clients)",
-         [peers.get(("ceiling", b, 1 if w == 1 else 4), 0.0) for w, b in configs], "#a0aec0"),
+         [peers.get(("ceiling", b, w)) or peers.get(("ceiling", b, 1 if w == 1 else 4), 0.0)
+          for w, b in configs], "#a0aec0"),
         ("pgqueuer 1.6 (1 process)",
          [peers.get(("pgqueuer", b, 1), 0.0) if w == 1 else 0.0 for w, b in configs],
          "#dd6b20"),

@@ -23,7 +23,6 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     Table,
     Text,
-    UniqueConstraint,
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
@@ -143,7 +142,8 @@ effects = Table(
     Column("delivered_started_at", TS),
     Column("delivered_http_status", Integer),
     Column("delivered_trace_id", Text),
-    UniqueConstraint("effect_key"),
+    # Unique through outbox.effect_keys (migration 0007), not an index here: the claim
+    # and the record would add an entry to it at every update.
     CheckConstraint(_in("status", EffectStatus), name="status"),
     CheckConstraint("length(effect_key) BETWEEN 1 AND 255", name="effect_key_length"),
     CheckConstraint("attempts >= 0 AND max_attempts >= 1", name="attempts"),
@@ -195,6 +195,17 @@ effects = Table(
         postgresql_include=["queue"],
         postgresql_where=text("status IN ('pending', 'failed', 'needs_review', 'cancelled')"),
     ),
+)
+
+# The arbiter of effect-key uniqueness (migration 0007): one row per effect, written
+# by the enqueue that creates the effect and deleted with it by retention. Never
+# updated, so the dispatcher's updates of outbox.effects touch no key index.
+effect_keys = Table(
+    "effect_keys",
+    metadata,
+    Column("effect_key", Text, primary_key=True),
+    Column("effect_id", BigInteger, nullable=False),
+    CheckConstraint("length(effect_key) BETWEEN 1 AND 255", name="effect_key_length"),
 )
 
 attempts = Table(

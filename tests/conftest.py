@@ -25,7 +25,7 @@ from dispatcher.examples.payments.psp import ReceiverProcess
 from outbox import _migrate
 from outbox._config import database_url, make_engine
 
-TABLES = ("attempts", "effects", "idempotency_keys", "inbox", "inbox_conflicts",
+TABLES = ("attempts", "effects", "effect_keys", "idempotency_keys", "inbox", "inbox_conflicts",
           "entity_versions", "console_actions")
 
 

@@ -89,10 +89,12 @@ def add(engine: Engine, status: str = "pending", **cols: Any) -> int:
         values += ["'w-test'", "gen_random_uuid()",
                    "coalesce(CAST(:lease AS timestamptz), now() + interval '30 s')"]
         row["lease"] = lease
-    with engine.begin() as conn:
+    with engine.begin() as conn:  # and its key, as enqueue writes it (migration 0007)
         return int(conn.execute(text(
-            f"INSERT INTO outbox.effects ({', '.join(names)}) VALUES ({', '.join(values)})"
-            " RETURNING id"), row).scalar_one())
+            f"WITH e AS (INSERT INTO outbox.effects ({', '.join(names)})"
+            f" VALUES ({', '.join(values)}) RETURNING id, effect_key),"
+            " k AS (INSERT INTO outbox.effect_keys (effect_key, effect_id)"
+            " SELECT effect_key, id FROM e) SELECT id FROM e"), row).scalar_one())
 
 
 def add_attempt(engine: Engine, effect_id: int, outcome: str, **cols: Any) -> None:

@@ -601,20 +601,21 @@ def test_f05_zombie_run_versus_retaker_run(engine: Engine) -> None:
         retaker_future = pool.submit(guard.run, engine, SCOPE, "k", FP,
                                      make_work("k", tag="retaker"), mode="phased")
         try:
-            # The retaker blocks on the zombie's unique effect keys (a row-lock wait).
+            # The retaker blocks on the zombie's effect keys (a wait on outbox.effect_keys'
+            # primary key: the zombie's uncommitted rows hold the same keys).
             deadline = time.monotonic() + 15
             waits: list[Any] = []
             while not waits and not retaker_future.done() and time.monotonic() < deadline:
                 time.sleep(0.02)
                 with engine.connect() as conn:
                     waits = list(conn.execute(text(
-                        "SELECT wait_event, left(query, 60) FROM pg_stat_activity"
+                        "SELECT wait_event, left(query, 600) FROM pg_stat_activity"
                         " WHERE datname = current_database() AND wait_event_type = 'Lock'")))
             if retaker_future.done():
                 retaker_future.result()  # surface its error, if it has one
                 pytest.fail("the retaker finished while the zombie held the effect keys")
             assert len(waits) == 1, waits
-            assert "INSERT INTO outbox.effects" in waits[0][1]
+            assert "INSERT INTO outbox.effect_keys" in waits[0][1]
         finally:
             resume.set()
         fenced = zombie_future.result(timeout=20)

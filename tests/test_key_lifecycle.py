@@ -133,3 +133,65 @@ def test_status_counts_stale_claims_by_their_own_ttl(engine: Engine, db_url: str
     with pytest.raises(RequestInProgress):
         hurried.claim(engine, SCOPE, "long", "fp")
     assert isinstance(hurried.claim(engine, SCOPE, "short", "fp"), Claim)
+
+
+# --- effect keys in their own table (migration 0007) -----------------------------------
+
+
+def test_an_effect_key_is_unique_through_effect_keys_and_freed_by_purge(
+        engine: Engine) -> None:
+    """outbox.effect_keys is the arbiter: a key enqueued twice is one effect (the second
+    call gets the first's id back), the effect row has no key index the dispatcher's
+    updates would write to, and retention deletes the key with its effect, after which
+    the key is a new effect."""
+    from outbox.retention import RetentionPlan
+    from outbox.sql import effects as fx
+
+    with engine.begin() as conn:
+        first = enqueue(conn, "noop", {"n": 1}, key="once", queue="nobody")
+    with engine.begin() as conn:
+        again = enqueue(conn, "noop", {"n": 1}, key="once", queue="nobody")
+    assert again.id == first.id
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox.effects")).scalar_one() == 1
+        assert conn.execute(text(
+            "SELECT effect_id FROM outbox.effect_keys WHERE effect_key = 'once'")
+        ).scalar_one() == first.id
+        assert conn.execute(text(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = 'outbox'"
+            " AND tablename = 'effects' AND indexdef LIKE '%effect_key%'")).scalar_one() == 0
+        assert fx.get_effect(conn, "once").id == first.id  # found through its key
+    with engine.begin() as conn:
+        conn.execute(text(
+            "UPDATE outbox.effects SET status = 'delivered', delivered_at = now() - interval"
+            " '10 days', finished_at = now() - interval '10 days' WHERE id = :i"),
+            {"i": first.id})
+    run = RetentionPlan(effects=86400.0, keys=False, inbox=None, conflicts=None,
+                        versions=None).run(engine)
+    assert run.deleted == {"effects": 1}
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox.effect_keys")).scalar_one() == 0
+    with engine.begin() as conn:
+        reborn = enqueue(conn, "noop", {"n": 2}, key="once", queue="nobody")
+    assert reborn.id != first.id
+
+
+def test_ids_follow_the_callers_order_whatever_the_keys_sort_order(engine: Engine) -> None:
+    """Effects of one ordering key run in id order: one enqueue_many gives ids in the
+    order of its effects, not of their keys (the keys are inserted into effect_keys
+    first, and take their ids there). A key repeated in one call: the first wins."""
+    from outbox import Effect, enqueue_many
+
+    with engine.begin() as conn:
+        got = enqueue_many(conn, [
+            Effect("noop", {"n": 1}, key="zz-first", ordering_key="K", queue="nobody"),
+            Effect("noop", {"n": 2}, key="mm-second", ordering_key="K", queue="nobody"),
+            Effect("noop", {"n": 3}, key="aa-third", ordering_key="K", queue="nobody"),
+            Effect("noop", {"n": 3}, key="aa-third", ordering_key="K", queue="nobody"),
+        ])
+    ids = [e.id for e in got]
+    assert ids[0] < ids[1] < ids[2] and ids[3] == ids[2]
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT effect_key FROM outbox.effects ORDER BY id")
+                            ).scalars().all()
+    assert rows == ["zz-first", "mm-second", "aa-third"]

@@ -78,12 +78,14 @@ _WHERE = {
     "kind": "kind = :kind",
     "queue": "queue = :queue",
     "ordering_key": "ordering_key = :ordering_key",
-    # starts_with is exact; the range lets the unique index on effect_key find the
+    # starts_with is exact; the range lets outbox.effect_keys' primary key find the
     # rows, and is only added where the column sorts by code point (C, POSIX,
     # C.UTF-8): under a linguistic collation the range would not be a prefix.
     "prefix": "starts_with(effect_key, :prefix)",
-    "prefix_range": "effect_key >= :prefix AND effect_key < :prefix_end",
-    "prefix_from": "effect_key >= :prefix",
+    "prefix_range": "id IN (SELECT effect_id FROM outbox.effect_keys"
+                    " WHERE effect_key >= :prefix AND effect_key < :prefix_end)",
+    "prefix_from": "id IN (SELECT effect_id FROM outbox.effect_keys"
+                   " WHERE effect_key >= :prefix)",
     "older": f"created_at <= {_NOW} - make_interval(secs => :older)",
     "newer": f"created_at >= {_NOW} - make_interval(secs => :newer)",
     "before": "id < :before",
@@ -162,7 +164,7 @@ _KEY_ORDER = text(
       FROM pg_attribute a
       JOIN pg_database d ON d.datname = current_database()
       LEFT JOIN pg_collation c ON c.oid = a.attcollation
-     WHERE a.attrelid = 'outbox.effects'::regclass AND a.attname = 'effect_key'
+     WHERE a.attrelid = 'outbox.effect_keys'::regclass AND a.attname = 'effect_key'
     """
 )
 

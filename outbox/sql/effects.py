@@ -25,19 +25,37 @@ _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 # The rows travel as ONE jsonb parameter (`jsonb_to_recordset`), not nine arrays:
 # dumping parallel arrays cost ~200 µs of client CPU per enqueue in psycopg, a JSON
 # string built by the C encoder a few µs; payloads ride in it as JSON, not as text.
+# Uniqueness (migration 0007): the key goes into outbox.effect_keys first, with the id
+# it reserves for the effect; only a key that was new there gets its effect row. Two
+# rows of one call with the same key: the first wins (`n`, the row's position), as a
+# unique index on effects did; the caller compares the others (`match_existing`).
 _INSERT_EFFECTS = sql(
     f"""
-    WITH ins AS (
+    WITH t AS MATERIALIZED (
+        SELECT * FROM ROWS FROM (jsonb_to_recordset(CAST(:rows AS jsonb))
+               AS (k text, kind text, p jsonb, ok text, q text, m int, d float8, ru float8))
+               WITH ORDINALITY AS t(k, kind, p, ok, q, m, d, ru, n)
+    ), keyed AS (
+        -- Ids in the rows' order (a caller's effects of one ordering key run in the
+        -- order given): nextval runs over the first rows of each key, sorted back by
+        -- position in a subquery below it.
+        INSERT INTO outbox.effect_keys (effect_key, effect_id)
+        SELECT f.k, nextval('outbox.effects_id_seq')
+          FROM (SELECT k FROM (SELECT DISTINCT ON (k) k, n FROM t ORDER BY k, n) AS d
+                 ORDER BY n) AS f
+        ON CONFLICT (effect_key) DO NOTHING
+        RETURNING effect_key, effect_id
+    ), ins AS (
         INSERT INTO outbox.effects
-               (effect_key, kind, payload, headers, ordering_key, queue, max_attempts,
+               (id, effect_key, kind, payload, headers, ordering_key, queue, max_attempts,
                 available_at, retry_until)
-        SELECT t.k, t.kind, t.p, CAST(:headers AS jsonb), t.ok, t.q, t.m,
+        SELECT DISTINCT ON (t.k) keyed.effect_id, t.k, t.kind, t.p,
+               CAST(:headers AS jsonb), t.ok, t.q, t.m,
                {_NOW} + make_interval(secs => t.d),
                CASE WHEN t.ru IS NULL THEN NULL
                     ELSE {_NOW} + make_interval(secs => t.ru) END
-          FROM jsonb_to_recordset(CAST(:rows AS jsonb))
-               AS t(k text, kind text, p jsonb, ok text, q text, m int, d float8, ru float8)
-        ON CONFLICT (effect_key) DO NOTHING
+          FROM t JOIN keyed ON keyed.effect_key = t.k
+         ORDER BY t.k, t.n
         RETURNING id, effect_key, queue
     ), bell AS (
         SELECT pg_notify(:channel, queue) FROM (SELECT DISTINCT queue FROM ins) AS d
@@ -103,7 +121,8 @@ _MATCH_EXISTING = sql(
                   CAST(:queues AS text[]), CAST(:ordering_keys AS text[]),
                   CAST(:max_attempts AS int[]))
            AS v(k, kind, p, q, ok, m)
-      JOIN outbox.effects e ON e.effect_key = v.k
+      JOIN outbox.effect_keys ek ON ek.effect_key = v.k
+      JOIN outbox.effects e ON e.id = ek.effect_id
     """
 )
 
@@ -176,7 +195,8 @@ def blocked_ordering_keys(conn: Connection, limit: int = 50) -> list[Row[Any]]:
 _GET_EFFECT = text(
     """
     SELECT * FROM outbox.effects
-     WHERE id = CAST(:id AS bigint) OR effect_key = :key
+     WHERE id = CAST(:id AS bigint)
+        OR id = (SELECT effect_id FROM outbox.effect_keys WHERE effect_key = :key)
      ORDER BY id LIMIT 1
     """
 )
@@ -248,17 +268,26 @@ def cancel(conn: Connection, ids: Sequence[int], now: datetime | None = None) ->
 # The status test is repeated on the DELETE itself: READ COMMITTED re-checks only the
 # DELETE's own WHERE on a row changed since the snapshot, so an `outbox retry` of a
 # cancelled effect committed meanwhile (now pending) must fail it, not be deleted.
+# The effects' keys go with them (outbox.effect_keys, migration 0007): the key may be
+# enqueued again afterwards, as before (a new effect).
 _PURGE_FINISHED = text(
     f"""
-    DELETE FROM outbox.effects
-     WHERE id = ANY(ARRAY(
-           SELECT id FROM outbox.effects
-            WHERE finished_at < {_NOW} - make_interval(secs => :older_than)
-              AND status IN ('delivered', 'cancelled')
-            ORDER BY finished_at
-            LIMIT :batch))
-       AND status IN ('delivered', 'cancelled')
-       AND finished_at < {_NOW} - make_interval(secs => :older_than)
+    WITH gone AS (
+        DELETE FROM outbox.effects
+         WHERE id = ANY(ARRAY(
+               SELECT id FROM outbox.effects
+                WHERE finished_at < {_NOW} - make_interval(secs => :older_than)
+                  AND status IN ('delivered', 'cancelled')
+                ORDER BY finished_at
+                LIMIT :batch))
+           AND status IN ('delivered', 'cancelled')
+           AND finished_at < {_NOW} - make_interval(secs => :older_than)
+        RETURNING id, effect_key
+    ), keys AS (
+        DELETE FROM outbox.effect_keys k USING gone
+         WHERE k.effect_key = gone.effect_key AND k.effect_id = gone.id
+    )
+    SELECT count(*) FROM gone
     """
 )
 
@@ -270,7 +299,7 @@ def purge_finished_effects(conn: Connection, older_than_seconds: float, batch: i
     Dead letters are kept: they are evidence until an operator retries or cancels them.
     """
     params = {"older_than": older_than_seconds, "batch": batch, "now": now}
-    return conn.execute(_PURGE_FINISHED, params).rowcount
+    return int(conn.execute(_PURGE_FINISHED, params).scalar_one())
 
 
 # --- by filter: `outbox cancel --kind/--queue/--older-than ... [--dry-run]` (issue 12) --

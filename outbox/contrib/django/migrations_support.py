@@ -21,6 +21,7 @@ MIGRATIONS: tuple[tuple[str, str], ...] = (
     ("0001_outbox_schema", "0004"),
     ("0002_business_hash", "0005"),
     ("0003_delivered_attempt", "0006"),
+    ("0004_effect_keys", "0007"),
 )
 
 

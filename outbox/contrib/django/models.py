@@ -21,7 +21,7 @@ class Effect(models.Model):
     """outbox.effects: one external effect, its state machine and lease."""
 
     id = models.BigIntegerField(primary_key=True)
-    effect_key = models.TextField(unique=True)
+    effect_key = models.TextField()  # unique through outbox.effect_keys (0007)
     kind = models.TextField()
     payload = models.JSONField()
     headers = models.JSONField(default=dict)
