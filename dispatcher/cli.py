@@ -103,6 +103,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def status_snapshot(engine: Engine) -> dict[str, Any]:
     """What `outbox status --json` prints: counts by status first, then health."""
     from outbox.sql import effects as fx
+    from outbox.sql import health as hx
     from outbox.sql import keys as kx
 
     with engine.connect() as conn:
@@ -110,12 +111,57 @@ def status_snapshot(engine: Engine) -> dict[str, Any]:
         health = fx.effect_health(conn)
         blocked = fx.blocked_ordering_keys(conn)
         key_counts = kx.count_keys().run(conn)  # each claim carries its TTL
+        horizon = hx.xmin_horizon().run(conn)
     out: dict[str, Any] = {s: counts.get(s, 0) for s in STATUSES}
     out.update(health)
     out["idempotency_keys"] = key_counts
     out["blocked_ordering_keys"] = [
         {"ordering_key": r.ordering_key, "head_id": r.id, "status": r.status,
          "attempts": r.attempts, "last_error": _redacted(r.last_error)} for r in blocked]
+    out["xmin_horizon"] = {k: {"holders": h.holders, "xid_age": h.xid_age,
+                               "seconds": h.seconds} for k, h in horizon.items()}
+    out["idle_in_transaction_session_timeout"] = _others_idle_timeout(engine)
+    return out
+
+
+#: `outbox status` warns when a transaction has held the xmin horizon this long (s).
+HORIZON_WARN_SECONDS = 300.0
+
+
+def _others_idle_timeout(engine: Engine) -> str | None:
+    """`idle_in_transaction_session_timeout` as another client of this database gets it
+    (the server's, database's and role's settings; ours is set per session by
+    make_engine, so our engine cannot tell). None if a plain connection fails."""
+    import psycopg
+
+    from outbox._config import libpq_dsn
+
+    try:
+        dsn = libpq_dsn(engine.url.render_as_string(hide_password=False))
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as plain:
+            row = plain.execute("SHOW idle_in_transaction_session_timeout").fetchone()
+    except psycopg.Error:
+        return None
+    return None if row is None else str(row[0])
+
+
+def _horizon_warnings(snap: dict[str, Any], database: str | None) -> list[str]:
+    """What `outbox status` tells an operator about the xmin horizon (docs/observability.md,
+    "A held xmin horizon")."""
+    out = []
+    for kind, h in snap["xmin_horizon"].items():
+        if h["seconds"] is not None and h["seconds"] >= HORIZON_WARN_SECONDS:
+            out.append(f"a {kind.replace('_', ' ')} has held the xmin horizon for "
+                       f"{h['seconds']:.0f} s: VACUUM cannot remove the rows delivered since;"
+                       " find it in pg_stat_activity (oldest xact_start) and end it")
+        elif h["seconds"] is None and h["xid_age"] >= 1_000_000:
+            out.append(f"a {kind.replace('_', ' ')} holds the xmin horizon "
+                       f"{h['xid_age']} transactions back")
+    if snap["idle_in_transaction_session_timeout"] in ("0", "0ms"):
+        out.append("idle_in_transaction_session_timeout is 0 for other clients of this "
+                   "database: a session left idle in a transaction holds the xmin horizon "
+                   "without limit; set one, e.g. ALTER DATABASE "
+                   f"{database or '<db>'} SET idle_in_transaction_session_timeout = '5min'")
     return out
 
 
@@ -128,6 +174,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"outbox: warning: the schema is at {current}, the code expects {head}: "
               "run `outbox migrate`", file=sys.stderr)
     snap = status_snapshot(engine)
+    for warning in _horizon_warnings(snap, engine.url.database):
+        print(f"outbox: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(snap))
         return 0
@@ -139,6 +187,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     keys = snap["idempotency_keys"]
     print(f"idempotency keys  processing {keys['processing']}  completed {keys['completed']}"
           f"  stale {keys['stale_processing']}")
+    held = [f"{k.replace('_', ' ')} {h['seconds']:.1f}s, {h['xid_age']} transactions"
+            if h["seconds"] is not None else f"{k.replace('_', ' ')} {h['xid_age']} transactions"
+            for k, h in snap["xmin_horizon"].items()]
+    print(f"xmin horizon      {'held by ' + '; '.join(held) if held else 'not held'}"
+          f"   (others' idle_in_transaction_session_timeout: "
+          f"{snap['idle_in_transaction_session_timeout']})")
     if snap["blocked_ordering_keys"]:
         print("blocked ordering keys (head effect)")
         for b in snap["blocked_ordering_keys"]:
@@ -416,7 +470,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     configure("outbox-worker")
     configure_metrics("outbox-worker")
     # The worker logs at INFO; httpx would add a line per delivery (thousands a second
-    # under load, CPU the deliveries need). Attempts are in outbox.attempts anyway.
+    # under load, CPU the deliveries need). Attempts are in outbox.attempt_history anyway.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     registry = load_registry(args.handlers)
     if specs is not None:

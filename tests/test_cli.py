@@ -248,3 +248,49 @@ def test_unmigrated_database_says_run_migrate(engine: Engine, db_url: str) -> No
     finally:
         with admin.connect() as conn:
             conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+def test_status_tells_who_holds_the_xmin_horizon_and_a_missing_timeout(
+        engine: Engine, db_url: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17's guard rails: `outbox status` shows the oldest xmin holder, warns when one
+    has held the horizon too long, and when other clients of the database get no
+    `idle_in_transaction_session_timeout` (a forgotten session would hold it forever)."""
+    import time
+
+    from sqlalchemy import make_url
+
+    from dispatcher import cli
+
+    monkeypatch.setattr(cli, "HORIZON_WARN_SECONDS", 0.5)
+    name = make_url(db_url).database
+    admin = engine.execution_options(isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" SET'
+                              " idle_in_transaction_session_timeout = 0"))
+        with engine.connect() as report:  # a report's transaction, left open
+            report = report.execution_options(isolation_level="REPEATABLE READ")
+            report.begin()
+            report.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
+            report.execute(text("SELECT count(*) FROM outbox.effects")).scalar()
+            time.sleep(1.0)
+            assert main(["status", "--json"]) == 0
+            out = capsys.readouterr()
+            report.rollback()
+        snap = json.loads(out.out)
+        assert snap["xmin_horizon"]["session"]["seconds"] >= 1.0
+        assert snap["idle_in_transaction_session_timeout"] == "0"
+        assert "has held the xmin horizon" in out.err
+        assert "idle_in_transaction_session_timeout is 0" in out.err
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" SET'
+                              " idle_in_transaction_session_timeout = '5min'"))
+        assert main(["status"]) == 0
+        out = capsys.readouterr()
+        assert "xmin horizon" in out.out and "5min" in out.out
+        assert "has held" not in out.err and "is 0" not in out.err
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" RESET'
+                              " idle_in_transaction_session_timeout"))
