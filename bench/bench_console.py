@@ -139,7 +139,8 @@ def seed(url: str, rows: int) -> None:
         if conn.execute(text("SELECT count(*) FROM outbox.effects")).scalar_one() == rows:
             print(json.dumps({"seed": "reused", "rows": rows}), file=sys.stderr)
             return
-        conn.execute(text("TRUNCATE outbox.effects, outbox.attempts RESTART IDENTITY CASCADE"))
+        conn.execute(text("TRUNCATE outbox.effect_keys, outbox.effects, outbox.attempts"
+                          " RESTART IDENTITY CASCADE"))
         started = time.perf_counter()
         conn.execute(text(SEED), {"n": rows})
         conn.execute(text(SEED_ATTEMPTS))

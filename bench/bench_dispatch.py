@@ -293,7 +293,8 @@ class Scratch:
     def reset(self, prefill: int = 0, kind: str = NOOP) -> None:
         """Empty tables, prefill due effects (untimed), VACUUM ANALYZE, CHECKPOINT."""
         with self.conn() as c:
-            c.execute("TRUNCATE outbox.attempts, outbox.effects, public.bench_orders"
+            c.execute("TRUNCATE outbox.attempts, outbox.effect_keys, outbox.effects,"
+                      " public.bench_orders"
                       " RESTART IDENTITY")
             if prefill:
                 c.execute(

@@ -105,7 +105,8 @@ def fill_finished(scratch: bd.Scratch, n: int, age_hours: float) -> float:
 
 def reset(scratch: bd.Scratch, pending: int, finished: int, age_hours: float) -> float:
     with scratch.conn() as c:
-        c.execute("TRUNCATE outbox.attempts, outbox.effects, public.bench_orders"
+        c.execute("TRUNCATE outbox.attempts, outbox.effect_keys, outbox.effects,"
+                  " public.bench_orders"
                   " RESTART IDENTITY")
     took = fill_finished(scratch, finished, age_hours)
     with scratch.conn() as c:

@@ -109,7 +109,8 @@ class Scratch:
     def reset(self, prefill: dict[str, int]) -> None:
         """Empty both; prefill due no-op effects (untimed); VACUUM ANALYZE; CHECKPOINT."""
         for short, c in self.conns.items():
-            c.execute("TRUNCATE outbox.attempts, outbox.effects RESTART IDENTITY")
+            c.execute("TRUNCATE outbox.attempts, outbox.effect_keys, outbox.effects"
+                      " RESTART IDENTITY")
             n = prefill.get(short, 0)
             if n:
                 c.execute("INSERT INTO outbox.effects (effect_key, kind, payload)"

@@ -198,14 +198,16 @@ effects = Table(
 )
 
 # The arbiter of effect-key uniqueness (migration 0007): one row per effect, written
-# by the enqueue that creates the effect and deleted with it by retention. Never
+# by the enqueue that creates the effect and deleted with it (ON DELETE CASCADE). Never
 # updated, so the dispatcher's updates of outbox.effects touch no key index.
 effect_keys = Table(
     "effect_keys",
     metadata,
     Column("effect_key", Text, primary_key=True),
-    Column("effect_id", BigInteger, nullable=False),
+    Column("effect_id", BigInteger,
+           ForeignKey(f"{SCHEMA}.effects.id", ondelete="CASCADE"), nullable=False),
     CheckConstraint("length(effect_key) BETWEEN 1 AND 255", name="effect_key_length"),
+    Index("effect_keys_effect_id_idx", "effect_id"),
 )
 
 attempts = Table(

@@ -323,6 +323,8 @@ class RetentionPlan:
                 if share is not None and time.monotonic() >= share:
                     complete = False  # the rest next run; the other classes get theirs
                     break
+                if share is not None:  # never past this class's share of the budget
+                    rest = min(rest, max(0.0, share - time.monotonic()))
                 _rest(rest, stopped)
         if complete:
             cursor[0] = None

@@ -44,7 +44,8 @@ AUTH = (b"authorization", b"Bearer test-token")
 JSON = (b"content-type", b"application/json")
 COMPARED = ("content-type", "location", "retry-after", "www-authenticate", "allow",
             "idempotent-replayed", "idempotent-replay-omitted")
-TABLES = ("outbox.attempts, outbox.effects, outbox.idempotency_keys, outbox.inbox, "
+TABLES = ("outbox.attempts, outbox.effect_keys, outbox.effects, outbox.idempotency_keys, "
+          "outbox.inbox, "
           "outbox.inbox_conflicts, outbox.entity_versions, payments.payments")
 
 

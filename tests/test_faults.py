@@ -362,7 +362,7 @@ def audited_run(db_url: str, engine: Engine, observer: Engine, psp: Receiver, pr
         thread.join(15)
         worker_engine.dispose()
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE outbox.effects, outbox.attempts"))
+        conn.execute(text("TRUNCATE outbox.effect_keys, outbox.effects, outbox.attempts"))
     return audit
 
 

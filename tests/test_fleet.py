@@ -47,7 +47,7 @@ from tests.test_faults import pg_upstream, via_proxy
 
 HANDLERS = "tests.fleet_handlers:registry"
 SECRET = "s3cret-pw"  # in every URL we give the worker: trust auth ignores it
-TABLES = "outbox.attempts, outbox.effects"
+TABLES = "outbox.attempts, outbox.effect_keys, outbox.effects"
 
 
 # --------------------------------------------------------------------------- databases

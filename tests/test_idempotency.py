@@ -309,11 +309,12 @@ def test_f01_storm_at_higher_isolation_still_executes_once(
 @pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ"])
 def test_a_key_committed_under_our_feet_rolls_our_work_back_and_replays(
         engine: Engine, isolation: str) -> None:
-    """The key's row is there by the time our completion writes it (a twin our read
-    could not see: committed after our snapshot at REPEATABLE READ, or written without
-    the lock): nothing of ours commits, and run() retries the transaction, whose read
-    replays the twin's answer. Our work ran once and rolled back; the twin's stands.
-    (Before: ClaimLost at READ COMMITTED, a 500 for a request that has an answer.)"""
+    """The key's row is there by the time our completion writes it (at READ COMMITTED:
+    written without the lock): nothing of ours commits, and run() retries the
+    transaction, whose read replays the twin's answer. Our work ran once and rolled
+    back; the twin's stands. Before: ClaimLost, a 500 for a request that has an answer.
+    (At REPEATABLE READ PostgreSQL itself raises 40001 for a row committed after our
+    snapshot, which run() always retried: that case is a regression check.)"""
     guard = IdempotencyGuard()
     twin = response_for(7, "twin")
 

@@ -179,7 +179,7 @@ def test_an_effect_key_is_unique_through_effect_keys_and_freed_by_purge(
 def test_ids_follow_the_callers_order_whatever_the_keys_sort_order(engine: Engine) -> None:
     """Effects of one ordering key run in id order: one enqueue_many gives ids in the
     order of its effects, not of their keys (the keys are inserted into effect_keys
-    first, and take their ids there). A key repeated in one call: the first wins."""
+    first, and take their ids there). A key repeated in one call is one effect."""
     from outbox import Effect, enqueue_many
 
     with engine.begin() as conn:
@@ -195,3 +195,19 @@ def test_ids_follow_the_callers_order_whatever_the_keys_sort_order(engine: Engin
         rows = conn.execute(text("SELECT effect_key FROM outbox.effects ORDER BY id")
                             ).scalars().all()
     assert rows == ["zz-first", "mm-second", "aa-third"]
+
+
+def test_an_effect_deleted_by_hand_takes_its_key_with_it(engine: Engine) -> None:
+    """effect_keys.effect_id references the effect ON DELETE CASCADE: an effect removed
+    any way (an operator's DELETE, an older version's retention) frees its key, which
+    can then be enqueued again; a key row never outlives its effect (review finding:
+    an orphaned key made every later enqueue of it fail)."""
+    with engine.begin() as conn:
+        first = enqueue(conn, "noop", {"n": 1}, key="by-hand", queue="nobody")
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM outbox.effects WHERE id = :i"), {"i": first.id})
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox.effect_keys")).scalar_one() == 0
+    with engine.begin() as conn:
+        again = enqueue(conn, "noop", {"n": 1}, key="by-hand", queue="nobody")
+    assert again.id != first.id

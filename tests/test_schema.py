@@ -71,6 +71,10 @@ def _insert_effect(engine: Engine, **cols: object) -> None:
     {"effect_key": ""},                                      # empty key
     {"effect_key": "x" * 256},                               # over the receivers' limit
     {"max_attempts": 0},
+    # the delivered attempt kept on the row (0006): only on a delivered row, with its start
+    {"delivered_by": "w", "delivered_started_at": "2030-01-01T00:00:00Z"},
+    {"status": "delivered", "delivered_at": "2030-01-01T00:00:00Z",
+     "finished_at": "2030-01-01T00:00:00Z", "delivered_by": "w"},
 ])
 def test_effect_state_machine_checks(engine: Engine, cols: dict[str, object]) -> None:
     with pytest.raises(IntegrityError):

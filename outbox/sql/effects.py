@@ -268,26 +268,19 @@ def cancel(conn: Connection, ids: Sequence[int], now: datetime | None = None) ->
 # The status test is repeated on the DELETE itself: READ COMMITTED re-checks only the
 # DELETE's own WHERE on a row changed since the snapshot, so an `outbox retry` of a
 # cancelled effect committed meanwhile (now pending) must fail it, not be deleted.
-# The effects' keys go with them (outbox.effect_keys, migration 0007): the key may be
-# enqueued again afterwards, as before (a new effect).
+# The effects' keys go with them (outbox.effect_keys, ON DELETE CASCADE, migration
+# 0007): the key may be enqueued again afterwards, as before (a new effect).
 _PURGE_FINISHED = text(
     f"""
-    WITH gone AS (
-        DELETE FROM outbox.effects
-         WHERE id = ANY(ARRAY(
-               SELECT id FROM outbox.effects
-                WHERE finished_at < {_NOW} - make_interval(secs => :older_than)
-                  AND status IN ('delivered', 'cancelled')
-                ORDER BY finished_at
-                LIMIT :batch))
-           AND status IN ('delivered', 'cancelled')
-           AND finished_at < {_NOW} - make_interval(secs => :older_than)
-        RETURNING id, effect_key
-    ), keys AS (
-        DELETE FROM outbox.effect_keys k USING gone
-         WHERE k.effect_key = gone.effect_key AND k.effect_id = gone.id
-    )
-    SELECT count(*) FROM gone
+    DELETE FROM outbox.effects
+     WHERE id = ANY(ARRAY(
+           SELECT id FROM outbox.effects
+            WHERE finished_at < {_NOW} - make_interval(secs => :older_than)
+              AND status IN ('delivered', 'cancelled')
+            ORDER BY finished_at
+            LIMIT :batch))
+       AND status IN ('delivered', 'cancelled')
+       AND finished_at < {_NOW} - make_interval(secs => :older_than)
     """
 )
 
@@ -299,7 +292,7 @@ def purge_finished_effects(conn: Connection, older_than_seconds: float, batch: i
     Dead letters are kept: they are evidence until an operator retries or cancels them.
     """
     params = {"older_than": older_than_seconds, "batch": batch, "now": now}
-    return int(conn.execute(_PURGE_FINISHED, params).scalar_one())
+    return conn.execute(_PURGE_FINISHED, params).rowcount
 
 
 # --- by filter: `outbox cancel --kind/--queue/--older-than ... [--dry-run]` (issue 12) --
