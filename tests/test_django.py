@@ -913,3 +913,28 @@ def test_the_docs_example_runs_as_written(dj: Engine) -> None:
         clear_url_caches()
         with dj.begin() as conn:
             conn.execute(text("DROP TABLE IF EXISTS public.orders"))
+
+
+def test_the_admin_finds_an_effect_and_its_attempts_by_key(admin_client: Any,
+                                                           dj: Engine) -> None:
+    """Search by exact effect key, on effects and on attempts: through outbox.effect_keys
+    (effects have no key index since migration 0007), so a large table is not read."""
+    for idem in ("admin-search", "admin-other"):
+        assert post("/orders", key=idem).status_code == 201
+    with dj.connect() as conn:
+        effect_id, key = conn.execute(text(
+            "SELECT id, effect_key FROM outbox.effects ORDER BY id LIMIT 1")).one()
+        other = conn.execute(text(
+            "SELECT effect_key FROM outbox.effects WHERE id <> :i"), {"i": effect_id}
+        ).scalar_one()
+    with dj.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO outbox.attempts (effect_id, attempt, worker, started_at, outcome,"
+            " error) VALUES (:id, 1, 'w1', now(), 'retry', 'HTTP 503')"), {"id": effect_id})
+    found = admin_client.get(f"/admin/outbox/effect/?q={key}").content.decode()
+    assert key in found and other not in found and "1 result" in found
+    attempts = admin_client.get(f"/admin/outbox/attempt/?q={key}").content.decode()
+    assert "HTTP 503" in attempts or "retry" in attempts
+    assert f"#{effect_id} " in attempts
+    nothing = admin_client.get("/admin/outbox/effect/?q=no-such-key").content.decode()
+    assert "0 results" in nothing

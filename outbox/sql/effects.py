@@ -192,6 +192,11 @@ def blocked_ordering_keys(conn: Connection, limit: int = 50) -> list[Row[Any]]:
     return blocked[:limit]
 
 
+#: The effect of a key, as a subquery with one `%s` (Django's RawSQL: the admin's
+#: search by key goes through outbox.effect_keys' primary key, migration 0007).
+EFFECT_ID_BY_KEY = "SELECT effect_id FROM outbox.effect_keys WHERE effect_key = %s"
+
+
 _GET_EFFECT = text(
     """
     SELECT * FROM outbox.effects
