@@ -26,36 +26,28 @@ _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 # dumping parallel arrays cost ~200 µs of client CPU per enqueue in psycopg, a JSON
 # string built by the C encoder a few µs; payloads ride in it as JSON, not as text.
 # Uniqueness (migration 0007): the key goes into outbox.effect_keys first, with the id
-# it reserves for the effect; only a key that was new there gets its effect row. Two
-# rows of one call with the same key: the first wins (`n`, the row's position), as a
-# unique index on effects did; the caller compares the others (`match_existing`).
+# it reserves for the effect (nextval in the rows' order: effects of one ordering key
+# run in the order given); only a key that was new there gets its effect row. The rows
+# of one call have distinct keys (the caller folds repeats, `_enqueue._rows_for`).
 _INSERT_EFFECTS = sql(
     f"""
     WITH t AS MATERIALIZED (
-        SELECT * FROM ROWS FROM (jsonb_to_recordset(CAST(:rows AS jsonb))
-               AS (k text, kind text, p jsonb, ok text, q text, m int, d float8, ru float8))
-               WITH ORDINALITY AS t(k, kind, p, ok, q, m, d, ru, n)
+        SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb))
+          AS t(k text, kind text, p jsonb, ok text, q text, m int, d float8, ru float8)
     ), keyed AS (
-        -- Ids in the rows' order (a caller's effects of one ordering key run in the
-        -- order given): nextval runs over the first rows of each key, sorted back by
-        -- position in a subquery below it.
         INSERT INTO outbox.effect_keys (effect_key, effect_id)
-        SELECT f.k, nextval('outbox.effects_id_seq')
-          FROM (SELECT k FROM (SELECT DISTINCT ON (k) k, n FROM t ORDER BY k, n) AS d
-                 ORDER BY n) AS f
+        SELECT k, nextval('outbox.effects_id_seq') FROM t
         ON CONFLICT (effect_key) DO NOTHING
         RETURNING effect_key, effect_id
     ), ins AS (
         INSERT INTO outbox.effects
                (id, effect_key, kind, payload, headers, ordering_key, queue, max_attempts,
                 available_at, retry_until)
-        SELECT DISTINCT ON (t.k) keyed.effect_id, t.k, t.kind, t.p,
-               CAST(:headers AS jsonb), t.ok, t.q, t.m,
+        SELECT keyed.effect_id, t.k, t.kind, t.p, CAST(:headers AS jsonb), t.ok, t.q, t.m,
                {_NOW} + make_interval(secs => t.d),
                CASE WHEN t.ru IS NULL THEN NULL
                     ELSE {_NOW} + make_interval(secs => t.ru) END
           FROM t JOIN keyed ON keyed.effect_key = t.k
-         ORDER BY t.k, t.n
         RETURNING id, effect_key, queue
     ), bell AS (
         SELECT pg_notify(:channel, queue) FROM (SELECT DISTINCT queue FROM ins) AS d
