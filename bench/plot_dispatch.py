@@ -21,7 +21,8 @@ def main(argv: list[str]) -> int:
     ours_runs: dict[tuple[int, int], list[float]] = {}
     peer_runs: dict[tuple[str, int, int], list[float]] = {}
     for r in rows:
-        if r.get("section") == "work" and r.get("handler") == "noop":
+        if (r.get("section") == "work" and r.get("handler") == "noop"
+                and r.get("concurrency", r["batch"]) == r["batch"]):  # slots = batch only
             ours_runs.setdefault((r["workers"], r["batch"]), []).append(r["rate_median"])
         elif r.get("section") == "peers" and r.get("rate_median"):
             peer_runs.setdefault((r["peer"], r["batch"], r.get("clients", 1)), []).append(
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> int:
             if v:
                 ax.annotate(f"{v / 1000:.1f}k", (bar.get_x() + bar.get_width() / 2, v),
                             ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(configs)), labels)
+    ax.set_xticks(range(len(configs)), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("no-op effects / s")
     summary: dict[str, Any] = next((r for r in rows if r.get("section") == "summary"), {})
     runs = max((len(v) for v in ours_runs.values()), default=0)
