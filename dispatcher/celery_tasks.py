@@ -51,6 +51,9 @@ DRAIN_BUDGET = float(os.environ.get("OUTBOX_DRAIN_BUDGET", "10"))
 SWEEP_INTERVAL = float(os.environ.get("OUTBOX_SWEEP_INTERVAL", "5"))
 CONCURRENCY = int(os.environ.get("OUTBOX_CONCURRENCY", "8"))
 LEASE = float(os.environ.get("OUTBOX_LEASE", "30"))
+# A sweep's retention run lasts at most this long (s), rests included: the standalone
+# worker runs retention on a thread of its own for up to OUTBOX_RETENTION_BUDGET.
+SWEEP_RETENTION_BUDGET = 30.0
 # A re-armed drain waits at most this long (then looks again and re-arms if need be).
 # Its message is an ETA message the worker holds unacknowledged until it is due, so
 # this must stay far below Redis's visibility_timeout (1 h by default: a message held
@@ -286,8 +289,10 @@ class OutboxTasks:
         for name in due:
             self.send_drain(name, kick=False)
         # Retention (outbox/retention.py): due every OUTBOX_RETENTION_INTERVAL per
-        # process, one purger at a time across workers, bounded by OUTBOX_RETENTION_BUDGET.
-        purged = scheduled_retention().run_if_due(engine)
+        # process, one purger at a time across workers, bounded by OUTBOX_RETENTION_BUDGET
+        # and, here, by SWEEP_RETENTION_BUDGET: the sweep task holds its worker process
+        # while it runs (resting most of it, at the default duty).
+        purged = scheduled_retention().run_if_due(engine, budget=SWEEP_RETENTION_BUDGET)
         return {"dead_lettered": len(dead), "rung": due,
                 "purged": purged.deleted if purged is not None else None}
 

@@ -35,9 +35,11 @@ honours the same horizons):
     OUTBOX_RETAIN_VERSIONS=30d     entity versions; `off`
     OUTBOX_RETAIN_HORIZONS=stripe=3d,github=1d   senders' redelivery horizons
     OUTBOX_RETENTION_INTERVAL=10m  between two runs of one process (first: within 1 min)
-    OUTBOX_RETENTION_BUDGET=30s    the longest one run deletes for (the rest: next run)
+    OUTBOX_RETENTION_BUDGET=2m     the longest one run lasts, rests included (the rest:
+                                   next run; at the default duty ~12 s of deleting, ~2M
+                                   finished effects on a small box)
     OUTBOX_RETENTION_BATCH=500     rows per delete transaction
-    OUTBOX_RETENTION_DUTY=0.25     the share of wall time a run spends deleting: after
+    OUTBOX_RETENTION_DUTY=0.1      the share of wall time a run spends deleting: after
                                    a batch that took t, it rests t * (1 - duty) / duty,
                                    so the dispatcher's claims keep their p99 while a
                                    million rows go (docs/benchmarks.md, "Finished rows")
@@ -75,9 +77,9 @@ log = logging.getLogger("outbox.retention")
 DAY = 86400.0
 DEFAULT_WINDOW = 30 * DAY
 DEFAULT_INTERVAL = 600.0
-DEFAULT_BUDGET = 30.0
+DEFAULT_BUDGET = 120.0
 DEFAULT_BATCH = 500
-DEFAULT_DUTY = 0.25
+DEFAULT_DUTY = 0.1
 FIRST_RUN_MAX_DELAY = 60.0
 
 #: The classes, in the order a run purges them, as `outbox purge` reports them.
@@ -389,7 +391,7 @@ class ScheduledRetention:
         env = os.environ if environ is None else environ
         plan = RetentionPlan.from_env(env)
         interval = parse_duration(env.get("OUTBOX_RETENTION_INTERVAL") or "600")
-        budget = parse_duration(env.get("OUTBOX_RETENTION_BUDGET") or "30")
+        budget = parse_duration(env.get("OUTBOX_RETENTION_BUDGET") or str(DEFAULT_BUDGET))
         raw = (env.get("OUTBOX_RETENTION_DUTY") or "").strip()
         try:
             duty = float(raw) if raw else DEFAULT_DUTY
@@ -412,12 +414,13 @@ class ScheduledRetention:
             self._next = now + self.interval
             return True
 
-    def run_if_due(self, engine: Engine, stop: Callable[[], bool] | None = None
-                   ) -> RetentionRun | None:
-        """Run the plan here if it is due (the Celery sweep); never raises."""
+    def run_if_due(self, engine: Engine, stop: Callable[[], bool] | None = None, *,
+                   budget: float | None = None) -> RetentionRun | None:
+        """Run the plan here if it is due (the Celery sweep); never raises. `budget`
+        caps this run's (a sweep task must not hold its worker process for long)."""
         if not self._take_turn():
             return None
-        return self._run(engine, stop)
+        return self._run(engine, stop, budget)
 
     def start_if_due(self, engine: Engine, stop: threading.Event) -> bool:
         """Run the plan on a daemon thread if it is due (the worker's tick)."""
@@ -433,10 +436,12 @@ class ScheduledRetention:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _run(self, engine: Engine, stop: Callable[[], bool] | None) -> RetentionRun | None:
+    def _run(self, engine: Engine, stop: Callable[[], bool] | None,
+             budget: float | None = None) -> RetentionRun | None:
         assert self.plan is not None
         try:
-            run = self.plan.run(engine, budget=self.budget, stop=stop, clock=self.clock,
+            run = self.plan.run(engine, budget=min(self.budget, budget or self.budget),
+                                stop=stop, clock=self.clock,
                                 duty=self.duty, versions_after=self._versions_after)
         except Exception:
             log.exception("retention run failed; next try in %.0f s", self.interval)
