@@ -938,3 +938,24 @@ def test_the_admin_finds_an_effect_and_its_attempts_by_key(admin_client: Any,
     assert f"#{effect_id} " in attempts
     nothing = admin_client.get("/admin/outbox/effect/?q=no-such-key").content.decode()
     assert "0 results" in nothing
+
+
+def test_the_admin_shows_a_delivered_attempt_kept_on_its_effect_row(admin_client: Any,
+                                                                    dj: Engine) -> None:
+    """Migration 0006: a delivery is not an outbox.attempts row; the admin lists it from
+    outbox.attempt_history (id = -effect id) and its page opens by that id."""
+    assert post("/orders", key="admin-delivered").status_code == 201
+    with dj.begin() as conn:
+        effect_id = conn.execute(text("SELECT id FROM outbox.effects")).scalar_one()
+        conn.execute(text(
+            "UPDATE outbox.effects SET status = 'delivered', attempts = 1,"
+            " delivered_at = now(), finished_at = now(), delivered_by = 'w-admin',"
+            " delivered_started_at = now(), delivered_http_status = 201,"
+            " delivered_trace_id = 'trace-delivered' WHERE id = :i"), {"i": effect_id})
+    listed = admin_client.get("/admin/outbox/attempt/?outcome__exact=delivered")
+    assert listed.status_code == 200 and "trace-delivered" in listed.content.decode()
+    page = admin_client.get(f"/admin/outbox/attempt/{-effect_id}/change/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "w-admin" in html and "trace-delivered" in html
+    assert admin_client.get("/admin/outbox/attempt/-999999/change/").status_code in (302, 404)

@@ -184,6 +184,21 @@ class AttemptAdmin(_ReadOnly):
         term = search_term.strip()
         return (found | _by_key(queryset, term, "effect_id") if term else found), dupes
 
+    def get_object(self, request: HttpRequest, object_id: str,
+                   from_field: str | None = None) -> Attempt | None:
+        """A delivered attempt kept on its effect row has id -effect_id in
+        outbox.attempt_history: find it by the effect's primary key (a lookup by the
+        negated id alone would read every effect)."""
+        try:
+            ident = int(object_id)
+        except ValueError:
+            return None
+        found = self.get_queryset(request)
+        if ident < 0:
+            found = found.filter(effect_id=-ident)
+        row: Attempt | None = found.filter(pk=ident).first()
+        return row
+
     @admin.display(description="effect")
     def effect_link(self, obj: Attempt) -> str:
         return format_html('<a href="../effect/{}/change/">#{} {}</a>', obj.effect_id,
