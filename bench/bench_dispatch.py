@@ -67,7 +67,11 @@ DB = "bench_outbox"
 NOOP, HTTP, LAT = "bench.noop", "bench.http", "bench.lat"
 #: The same deliveries through AsyncHttpHandler (aiohttp, on the dispatcher's event loop).
 HTTP_ASYNC = "bench.http_async"
-HANDLER_NAMES = {NOOP: "noop", HTTP: "http", HTTP_ASYNC: "http_async"}
+#: A no-op `async def` handler: runs as a task of the dispatcher's event loop, as
+#: pgqueuer runs its (async) jobs, with no thread hand-off.
+NOOP_ASYNC = "bench.noop_async"
+HANDLER_NAMES = {NOOP: "noop", NOOP_ASYNC: "noop_async", HTTP: "http",
+                 HTTP_ASYNC: "http_async"}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -432,8 +436,12 @@ def worker_main(argv: Sequence[str]) -> int:
     def lat(effect: EffectContext) -> None:
         latencies.append(time.time() - float(effect.payload["t"]))
 
+    async def noop_async(effect: EffectContext) -> None:
+        return None
+
     registry = Registry()
     registry.register(NOOP, noop)
+    registry.register(NOOP_ASYNC, noop_async)
     registry.register(LAT, lat)
     if args.receiver:
         from dispatcher.http_async import AsyncHttpHandler
@@ -541,7 +549,8 @@ class Bench:
     # -- work -------------------------------------------------------------------------
 
     def _prefill_for(self, handler: str, workers: int, batch: int) -> int:
-        guess = {NOOP: {1: 600, 10: 3000, 100: 7000}, HTTP: {1: 500, 10: 1500, 100: 2000},
+        guess = {NOOP: {1: 600, 10: 3000, 100: 7000}, NOOP_ASYNC: {1: 600, 10: 3000, 100: 7000},
+                 HTTP: {1: 500, 10: 1500, 100: 2000},
                  HTTP_ASYNC: {1: 500, 10: 2500, 100: 4000}}
         seen = self.best_rate.get((handler, batch))
         est = seen * 1.8 if seen else guess[handler].get(batch, 5000) * min(workers, 2)
@@ -613,7 +622,8 @@ class Bench:
                     receiver = None
 
     def repeats(self, handler: str, workers: int, batch: int) -> int:
-        key = (handler == NOOP and batch in (10, 100) and workers in (1, 2)) or (
+        key = (handler in (NOOP, NOOP_ASYNC) and batch in (10, 100)
+               and workers in (1, 2)) or (
             handler in (HTTP, HTTP_ASYNC) and batch == 10 and workers == 2)
         return self.args.runs if key else 1
 

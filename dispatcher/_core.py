@@ -271,16 +271,25 @@ class Dispatcher:
         self.stats.claimed += len(rows)
         now = time.monotonic()
         submit, finished = self._pool.submit, self._finished
+        on_loop: list[tuple[Claimed, _InFlight]] = []
         for row in rows:
             item = _InFlight(row, now, self.executor.deadline(now))
             with self._lock:
                 self._inflight[row.id] = item
             # An async handler's delivery is a task of the event loop (no pool thread
-            # waits for it); a sync one runs on a pool thread.
-            future = (self.executor.submit_async(row, now)
-                      if self.executor.runs_on_loop(row.kind) else submit(self._deliver, row, now))
+            # waits for it), all of a claim's started in one hand-off; a sync one runs
+            # on a pool thread.
+            if self.executor.runs_on_loop(row.kind):
+                on_loop.append((row, item))
+                continue
+            future = submit(self._deliver, row, now)
             item.future = future
             future.add_done_callback(functools.partial(finished, row))
+        if on_loop:
+            futures = self.executor.submit_async_many([r for r, _ in on_loop], now)
+            for (row, item), future in zip(on_loop, futures, strict=True):
+                item.future = future
+                future.add_done_callback(functools.partial(finished, row))
         return len(rows)
 
     def reap(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -18,7 +19,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -105,6 +106,16 @@ def _last_step(flow: Attempt, *, value: Any = None,
         outcome: Outcome = done.value
         return outcome
     raise RuntimeError("an attempt awaits one handler result")
+
+
+def _settle(future: Future[Outcome], task: asyncio.Task[Outcome]) -> None:
+    """Hand an `aexecute` task's end to the Future the dispatcher waits on."""
+    if task.cancelled():
+        future.set_exception(asyncio.CancelledError())
+    elif (exc := task.exception()) is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(task.result())
 
 
 async def _until_deadline(awaitable: Awaitable[Any], deadline: float) -> Any:
@@ -248,16 +259,30 @@ class Executor:
         call = type(handler).__call__ if not inspect.isroutine(handler) else None
         return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
 
-    def submit_async(self, row: Claimed, started_monotonic: float) -> Future[Outcome]:
-        """Start `aexecute` on the event loop; its Future completes like a pool task's."""
+    def submit_async_many(self, rows: Sequence[Claimed], started_monotonic: float
+                          ) -> list[Future[Outcome]]:
+        """Start `aexecute` for each row on the event loop; each Future completes like a
+        pool task's. One hand-off to the loop thread (one wake-up of the loop) per
+        claim, not per effect: per effect it cost a no-op async handler ~30 µs of CPU
+        more than the thread pool."""
+        futures: list[Future[Outcome]] = [Future() for _ in rows]
         with self._loop_lock:
             if self._loop_closed:
-                refused: Future[Outcome] = Future()
-                refused.set_exception(RuntimeError("the dispatcher was shut down: "
-                                                   "not delivered"))
-                return refused
-            return asyncio.run_coroutine_threadsafe(
-                self.aexecute(row, started_monotonic), self._event_loop())
+                for f in futures:
+                    f.set_exception(RuntimeError("the dispatcher was shut down: "
+                                                 "not delivered"))
+                return futures
+            loop = self._event_loop()
+
+            def start() -> None:
+                for row, future in zip(rows, futures, strict=True):
+                    if not future.set_running_or_notify_cancel():
+                        continue
+                    task = loop.create_task(self.aexecute(row, started_monotonic))
+                    task.add_done_callback(functools.partial(_settle, future))
+
+            loop.call_soon_threadsafe(start)
+        return futures
 
     def _attempt(self, row: Claimed, started_monotonic: float) -> Attempt:
         """One attempt, written once for both drivers: yields (awaitable, deadline)
