@@ -275,10 +275,20 @@ class Executor:
             loop = self._event_loop()
 
             def start() -> None:
+                # Every Future ends: a delivery that cannot start (the dispatcher
+                # stopping meanwhile, a task that cannot be made) fails, so it is never
+                # left in flight. A cancelled task's end is a CancelledError exception
+                # here (`_settle`), which the dispatcher handles as any other.
                 for row, future in zip(rows, futures, strict=True):
                     if not future.set_running_or_notify_cancel():
                         continue
-                    task = loop.create_task(self.aexecute(row, started_monotonic))
+                    try:
+                        if self._loop_closed:
+                            raise RuntimeError("the dispatcher was shut down: not delivered")
+                        task = loop.create_task(self.aexecute(row, started_monotonic))
+                    except Exception as exc:
+                        future.set_exception(exc)
+                        continue
                     task.add_done_callback(functools.partial(_settle, future))
 
             loop.call_soon_threadsafe(start)

@@ -440,7 +440,8 @@ class ScheduledRetention:
              budget: float | None = None) -> RetentionRun | None:
         assert self.plan is not None
         try:
-            run = self.plan.run(engine, budget=min(self.budget, budget or self.budget),
+            run = self.plan.run(engine, budget=self.budget if budget is None
+                                else min(self.budget, budget),
                                 stop=stop, clock=self.clock,
                                 duty=self.duty, versions_after=self._versions_after)
         except Exception:

@@ -959,3 +959,10 @@ def test_the_admin_shows_a_delivered_attempt_kept_on_its_effect_row(admin_client
     html = page.content.decode()
     assert "w-admin" in html and "trace-delivered" in html
     assert admin_client.get("/admin/outbox/attempt/-999999/change/").status_code in (302, 404)
+    with dj.begin() as conn:  # an outbox.attempts row opens by its own (positive) id
+        retry_id = conn.execute(text(
+            "INSERT INTO outbox.attempts (effect_id, attempt, worker, started_at, outcome,"
+            " error, trace_id) VALUES (:i, 1, 'w-retry', now(), 'retry', 'HTTP 503',"
+            " 'trace-retry') RETURNING id"), {"i": effect_id}).scalar_one()
+    page = admin_client.get(f"/admin/outbox/attempt/{retry_id}/change/")
+    assert page.status_code == 200 and "trace-retry" in page.content.decode()

@@ -187,6 +187,9 @@ def blocked_ordering_keys(conn: Connection, limit: int = 50) -> list[Row[Any]]:
 #: The effect of a key, as a subquery with one `%s` (Django's RawSQL: the admin's
 #: search by key goes through outbox.effect_keys' primary key, migration 0007).
 EFFECT_ID_BY_KEY = "SELECT effect_id FROM outbox.effect_keys WHERE effect_key = %s"
+#: The effect of an outbox.attempts row, as a subquery with one `%s` (the admin opens
+#: an attempt of outbox.attempt_history by it: both halves of the view by an index).
+EFFECT_ID_OF_ATTEMPT = "SELECT effect_id FROM outbox.attempts WHERE id = %s"
 
 
 _GET_EFFECT = text(

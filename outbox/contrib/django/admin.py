@@ -186,9 +186,10 @@ class AttemptAdmin(_ReadOnly):
 
     def get_object(self, request: HttpRequest, object_id: str,
                    from_field: str | None = None) -> Attempt | None:
-        """A delivered attempt kept on its effect row has id -effect_id in
-        outbox.attempt_history: find it by the effect's primary key (a lookup by the
-        negated id alone would read every effect)."""
+        """An attempt of outbox.attempt_history by its id, through an index in both
+        halves of the view: a delivery kept on its effect row has id -effect_id (found by
+        the effect's primary key), any other attempt is an outbox.attempts row (its
+        effect found by that row). A lookup by the id alone reads every effect."""
         try:
             ident = int(object_id)
         except ValueError:
@@ -196,6 +197,8 @@ class AttemptAdmin(_ReadOnly):
         found = self.get_queryset(request)
         if ident < 0:
             found = found.filter(effect_id=-ident)
+        else:  # an outbox.attempts row: its effect too, or the view's other half scans
+            found = found.filter(effect_id__in=RawSQL(fx.EFFECT_ID_OF_ATTEMPT, (ident,)))
         row: Attempt | None = found.filter(pk=ident).first()
         return row
 
