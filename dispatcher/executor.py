@@ -41,6 +41,7 @@ from outbox._telemetry import (
     process_duration,
     span_name,
     tracer,
+    tracing_enabled,
 )
 from outbox.errors import AmbiguousOutcome, DeliveryError, TransientFailure
 from outbox.sql.dispatch import Claimed, Outcome
@@ -303,18 +304,25 @@ class Executor:
         parent = propagate.extract(headers) if headers else None
         registration = self.registry.get(row.kind)
         labels = {"kind": row.kind, "queue": row.queue, **self.labels}
-        attributes: dict[str, str | int] = {
-            **messaging_attributes("process", DELIVER, row.queue),
-            "messaging.message.id": str(row.id),
-            "outbox.effect_id": row.id, "outbox.effect_key": row.effect_key,
-            "outbox.attempt": row.attempts, "outbox.kind": row.kind}
         # Parented to the enqueue span through the row's traceparent (the conventions
         # allow the creation context as parent when one message is processed). The
         # span's status is ours to set: a failed attempt is an ERROR with error.type.
-        with tracer.start_as_current_span(
-            span_name(DELIVER, row.queue), context=parent, kind=trace.SpanKind.CONSUMER,
-            attributes=attributes,
-        ) as span:
+        # With no SDK installed and no trace context on the row, the span would be the
+        # invalid one anyway: skip building it (~6 µs of CPU per delivery). A row that
+        # carries a context still gets its non-recording span: the handler's calls
+        # propagate the request's trace, and the attempt keeps its trace id.
+        span_cm: contextlib.AbstractContextManager[trace.Span]
+        if parent is None and not tracing_enabled():
+            span_cm = contextlib.nullcontext(trace.INVALID_SPAN)
+        else:
+            span_cm = tracer.start_as_current_span(
+                span_name(DELIVER, row.queue), context=parent, kind=trace.SpanKind.CONSUMER,
+                attributes={
+                    **messaging_attributes("process", DELIVER, row.queue),
+                    "messaging.message.id": str(row.id),
+                    "outbox.effect_id": row.id, "outbox.effect_key": row.effect_key,
+                    "outbox.attempt": row.attempts, "outbox.kind": row.kind})
+        with span_cm as span:
             trace_id = format(span.get_span_context().trace_id, "032x")
             effect = EffectContext(
                 id=row.id, key=row.effect_key, kind=row.kind, payload=row.payload,
