@@ -8,8 +8,8 @@ One worker (bench_held_xmin's child: `run_worker` + `Dispatcher`, the engine `ou
 worker` makes, concurrency = max_batch = 100, a no-op handler) drains a backlog of
 `--pending` due effects while the tables already hold `--finished` delivered effects,
 as the dispatcher leaves them after days of traffic (the delivered attempt on the
-effect row, or, before migration 0006, an attempts row each; written by SQL, untimed,
-then VACUUM ANALYZE and CHECKPOINT: the state autovacuum keeps a live system in).
+effect row, the key in effect_keys; written by SQL, untimed, then VACUUM ANALYZE and
+CHECKPOINT: the state autovacuum keeps a live system in).
 
 Per cell, `--intervals` lines of `--interval` seconds: effects/s, the server's CPU per
 delivered effect (postgres processes of the scratch database plus the server's own
@@ -54,51 +54,30 @@ NOOP = bd.NOOP
 emit, log = bd.emit, bd.log
 
 
-def _delivery_on_row(c: Any) -> bool:
-    """Migration 0006: a delivered attempt lives on the effect row, not in attempts."""
-    got = c.execute("SELECT count(*) FROM information_schema.columns WHERE table_schema"
-                    " = 'outbox' AND table_name = 'effects' AND column_name = 'delivered_by'"
-                    ).fetchone()
-    return bool(got[0])
-
-
 def fill_finished(scratch: bd.Scratch, n: int, age_hours: float) -> float:
-    """Add `n` delivered effects (finished `age_hours` ago), as the dispatcher leaves
-    them: the delivered attempt on the row (0006) or as an attempts row (before)."""
+    """Add `n` delivered effects (finished `age_hours` ago) as the dispatcher leaves them:
+    the delivered attempt on the row (migration 0006), the key in effect_keys (0007)."""
     if n <= 0:
         return 0.0
     t = time.monotonic()
     step = 500_000
     with scratch.conn() as c:
-        on_row = _delivery_on_row(c)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             # Keys as an application makes them (random: scope, key, generation, name).
-            if on_row:
-                c.execute(
-                    "INSERT INTO outbox.effects (effect_key, kind, payload, status,"
-                    " attempts, available_at, created_at, delivered_at, finished_at,"
-                    " delivered_by, delivered_started_at, delivered_http_status)"
-                    " SELECT 'pay:' || md5(g::text || %s) || ':charge', %s,"
-                    " jsonb_build_object('order_id', g, 'amount', 1000 + g %% 500,"
-                    " 'currency', 'EUR'), 'delivered', 1, t, t, t, t, 'fill', t, 200"
-                    " FROM generate_series(%s, %s) g,"
-                    " LATERAL (SELECT now() - make_interval(secs => %s * 3600)) AS x(t)",
-                    (str(time.time_ns()), NOOP, lo + 1, hi, age_hours))
-            else:
-                c.execute(
-                    "WITH ins AS (INSERT INTO outbox.effects (effect_key, kind, payload,"
-                    " status, attempts, available_at, created_at, delivered_at, finished_at)"
-                    " SELECT 'pay:' || md5(g::text || %s) || ':charge', %s,"
-                    " jsonb_build_object('order_id', g, 'amount', 1000 + g %% 500,"
-                    " 'currency', 'EUR'), 'delivered', 1, t, t, t, t"
-                    " FROM generate_series(%s, %s) g,"
-                    " LATERAL (SELECT now() - make_interval(secs => %s * 3600)) AS x(t)"
-                    " RETURNING id, finished_at)"
-                    " INSERT INTO outbox.attempts (effect_id, attempt, worker, started_at,"
-                    " finished_at, outcome) SELECT id, 1, 'fill', finished_at,"
-                    " finished_at, 'delivered' FROM ins",
-                    (str(time.time_ns()), NOOP, lo + 1, hi, age_hours))
+            c.execute(
+                "WITH ins AS (INSERT INTO outbox.effects (effect_key, kind, payload, status,"
+                " attempts, available_at, created_at, delivered_at, finished_at,"
+                " delivered_by, delivered_started_at, delivered_http_status)"
+                " SELECT 'pay:' || md5(g::text || %s) || ':charge', %s,"
+                " jsonb_build_object('order_id', g, 'amount', 1000 + g %% 500,"
+                " 'currency', 'EUR'), 'delivered', 1, t, t, t, t, 'fill', t, 200"
+                " FROM generate_series(%s, %s) g,"
+                " LATERAL (SELECT now() - make_interval(secs => %s * 3600)) AS x(t)"
+                " RETURNING id, effect_key)"
+                " INSERT INTO outbox.effect_keys (effect_key, effect_id)"
+                " SELECT effect_key, id FROM ins",
+                (str(time.time_ns()), NOOP, lo + 1, hi, age_hours))
             log(f"  filled {hi}/{n} finished rows ({time.monotonic() - t:.0f}s)")
     return time.monotonic() - t
 
@@ -116,7 +95,7 @@ def reset(scratch: bd.Scratch, pending: int, finished: int, age_hours: float) ->
             " jsonb_build_object('order_id', g, 'amount', 1000 + g %% 500,"
             " 'currency', 'EUR') FROM generate_series(1, %s) g",
             (f"p{time.time_ns()}", NOOP, pending))
-        for t in ("outbox.effects", "outbox.attempts"):
+        for t in ("outbox.effects", "outbox.effect_keys", "outbox.attempts"):
             c.execute(f"VACUUM ANALYZE {t}")
         c.execute("CHECKPOINT")
     return took
@@ -125,7 +104,7 @@ def reset(scratch: bd.Scratch, pending: int, finished: int, age_hours: float) ->
 def sizes(scratch: bd.Scratch) -> dict[str, Any]:
     with scratch.conn() as c:
         out = {}
-        for r in ("outbox.effects", "outbox.attempts"):
+        for r in ("outbox.effects", "outbox.effect_keys", "outbox.attempts"):
             mb = c.execute("SELECT pg_total_relation_size(%s)", (r,)).fetchone()[0]
             out[r.split(".")[1] + "_mb"] = round(int(mb) / 2**20)
         return out

@@ -135,14 +135,15 @@ def _others_idle_timeout(engine: Engine) -> str | None:
     import psycopg
 
     from outbox._config import libpq_dsn
+    from outbox.sql import health as hx
 
     try:
         dsn = libpq_dsn(engine.url.render_as_string(hide_password=False))
         with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as plain:
-            row = plain.execute("SHOW idle_in_transaction_session_timeout").fetchone()
+            value: str | None = hx.idle_in_transaction_timeout().run(plain)
     except psycopg.Error:
         return None
-    return None if row is None else str(row[0])
+    return value
 
 
 def _horizon_warnings(snap: dict[str, Any], database: str | None) -> list[str]:
@@ -441,8 +442,6 @@ def cmd_purge(args: argparse.Namespace) -> int:
         if name == "effects":
             print(f"\rpurged {total} effects", end="", file=sys.stderr)
 
-    if not 0 < args.duty <= 1:
-        raise UsageError(f"--duty is in (0, 1], not {args.duty:g}")
     run = plan.run(_engine("purge"), wait_lock=args.wait_lock, duty=args.duty,
                    progress=progress)
     if run.locked_out:

@@ -241,8 +241,7 @@ class RetentionPlan:
         t * (1 - duty) / duty, so the run uses at most that share of a database core
         and the claims of a busy dispatcher do not queue behind it.
         """
-        if not 0 < duty <= 1:
-            raise ConfigurationError(f"the retention duty is in (0, 1], not {duty:g}")
+        _check_duty(duty)
         self.check()
         end = None if budget is None else time.monotonic() + budget
         stopped = stop or (lambda: False)
@@ -333,6 +332,13 @@ class RetentionPlan:
         return RetentionRun(deleted, complete=complete, versions_after=cursor[0])
 
 
+def _check_duty(duty: float) -> float:
+    if not 0 < duty <= 1:
+        raise ConfigurationError(f"the retention duty (OUTBOX_RETENTION_DUTY, --duty) is in "
+                                 f"(0, 1], not {duty:g}")
+    return duty
+
+
 def _rest(seconds: float, stopped: Callable[[], bool]) -> None:
     """Sleep between batches, a fifth of a second at a time so a stop is heard."""
     until = time.monotonic() + seconds
@@ -371,9 +377,7 @@ class ScheduledRetention:
                  clock: Clock = database_clock) -> None:
         if interval <= 0 or budget <= 0:
             raise ConfigurationError("the retention interval and budget must be positive")
-        if not 0 < duty <= 1:
-            raise ConfigurationError(f"OUTBOX_RETENTION_DUTY is in (0, 1], not {duty:g}")
-        self.duty = duty
+        self.duty = _check_duty(duty)
         self.plan = plan
         self.interval = interval
         self.budget = budget

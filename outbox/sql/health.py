@@ -95,6 +95,20 @@ class HorizonHolder:
     seconds: float | None
 
 
+_IDLE_IN_TRANSACTION_TIMEOUT = sql("SHOW idle_in_transaction_session_timeout")
+
+
+def idle_in_transaction_timeout() -> Query[str | None]:
+    """The session's `idle_in_transaction_session_timeout` (run on a plain connection
+    it is what the server, database and role give other clients)."""
+    return Query(_IDLE_IN_TRANSACTION_TIMEOUT, {}, _setting)
+
+
+def _setting(result: Result) -> str | None:
+    value = result.scalar()
+    return None if value is None else str(value)
+
+
 def xmin_horizon() -> Query[dict[str, HorizonHolder]]:
     """{holder kind: HorizonHolder} for the kinds holding an xmin in this database now."""
     return Query(_XMIN_HORIZON, {}, _holders)

@@ -71,20 +71,32 @@ def _run(ids: Sequence[int], statement: Any) -> list[int]:
     return done
 
 
-@admin.register(Effect)
-class EffectAdmin(_ReadOnly):
-    list_display = ("id", "kind", "status", "queue", "attempts_shown", "available_at",
-                    "ordering_key", "effect_key", "last_error_short")
-    list_filter = ("status", "kind", "queue")
-    search_fields = ("=id", "=ordering_key")  # and the exact key: get_search_results
-    inlines = (AttemptInline,)
-    actions = ("retry", "cancel")
+class _SearchByEffectKey(_ReadOnly):
+    """Also finds the rows of an exact effect key, through outbox.effect_keys: effects
+    have no index on effect_key since migration 0007, so a plain `=effect_key` search
+    field would read the whole table. `effect_column`: the column holding the effect."""
+
+    effect_column = "id"
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any],
                            search_term: str) -> tuple[QuerySet[Any], bool]:
         found, dupes = super().get_search_results(request, queryset, search_term)
         term = search_term.strip()
-        return (found | _by_key(queryset, term, "id") if term else found), dupes
+        if not term:
+            return found, dupes
+        by_key = queryset.filter(
+            **{f"{self.effect_column}__in": RawSQL(fx.EFFECT_ID_BY_KEY, (term,))})
+        return found | by_key, dupes
+
+
+@admin.register(Effect)
+class EffectAdmin(_SearchByEffectKey):
+    list_display = ("id", "kind", "status", "queue", "attempts_shown", "available_at",
+                    "ordering_key", "effect_key", "last_error_short")
+    list_filter = ("status", "kind", "queue")
+    search_fields = ("=id", "=ordering_key")  # and the exact key (the mixin)
+    inlines = (AttemptInline,)
+    actions = ("retry", "cancel")
     readonly_fields = ("id", "effect_key", "kind", "status", "queue", "ordering_key",
                        "attempts", "max_attempts", "available_at", "retry_until",
                        "created_at", "delivered_at", "finished_at", "lease_owner",
@@ -163,26 +175,14 @@ class EffectAdmin(_ReadOnly):
                     "in-flight effects may already be applied; delivered ones are done")
 
 
-def _by_key(queryset: QuerySet[Any], term: str, column: str) -> QuerySet[Any]:
-    """Rows whose effect has the key `term`, found through outbox.effect_keys (effects
-    have no index on effect_key since migration 0007: a plain `=effect_key` search
-    would read the whole table)."""
-    return queryset.filter(**{f"{column}__in": RawSQL(fx.EFFECT_ID_BY_KEY, (term,))})
-
-
 @admin.register(Attempt)
-class AttemptAdmin(_ReadOnly):
+class AttemptAdmin(_SearchByEffectKey):
     list_display = ("id", "effect_link", "attempt", "outcome", "http_status", "finished_at",
                     "worker", "trace_id")
     list_filter = ("outcome", "effect__kind", "effect__queue")
-    search_fields = ("=trace_id", "=effect__id")  # and the effect's key: below
+    search_fields = ("=trace_id", "=effect__id")  # and the effect's key (the mixin)
     list_select_related = ("effect",)
-
-    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any],
-                           search_term: str) -> tuple[QuerySet[Any], bool]:
-        found, dupes = super().get_search_results(request, queryset, search_term)
-        term = search_term.strip()
-        return (found | _by_key(queryset, term, "effect_id") if term else found), dupes
+    effect_column = "effect_id"
 
     def get_object(self, request: HttpRequest, object_id: str,
                    from_field: str | None = None) -> Attempt | None:
