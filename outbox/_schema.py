@@ -14,7 +14,6 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
-    ForeignKey,
     Identity,
     Index,
     Integer,
@@ -198,14 +197,15 @@ effects = Table(
 )
 
 # The arbiter of effect-key uniqueness (migration 0007): one row per effect, written
-# by the enqueue that creates the effect and deleted with it (ON DELETE CASCADE). Never
-# updated, so the dispatcher's updates of outbox.effects touch no key index.
+# by the enqueue that creates the effect and deleted with it (a statement-level trigger
+# on outbox.effects, migration 0008: one set-based DELETE per statement, where a foreign
+# key's cascade ran one per row). Never updated, so the dispatcher's updates of
+# outbox.effects touch no key index.
 effect_keys = Table(
     "effect_keys",
     metadata,
     Column("effect_key", Text, primary_key=True),
-    Column("effect_id", BigInteger,
-           ForeignKey(f"{SCHEMA}.effects.id", ondelete="CASCADE"), nullable=False),
+    Column("effect_id", BigInteger, nullable=False),
     CheckConstraint("length(effect_key) BETWEEN 1 AND 255", name="effect_key_length"),
     Index("effect_keys_effect_id_idx", "effect_id"),
 )
@@ -214,12 +214,8 @@ attempts = Table(
     "attempts",
     metadata,
     Column("id", BigInteger, Identity(always=False), primary_key=True),
-    Column(
-        "effect_id",
-        BigInteger,
-        ForeignKey(f"{SCHEMA}.effects.id", ondelete="CASCADE"),
-        nullable=False,
-    ),
+    # Deleted with its effect by the same trigger as the key (migration 0008).
+    Column("effect_id", BigInteger, nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("worker", Text, nullable=False),
     Column("started_at", TS, nullable=False),

@@ -135,7 +135,7 @@ def test_status_counts_stale_claims_by_their_own_ttl(engine: Engine, db_url: str
     assert isinstance(hurried.claim(engine, SCOPE, "short", "fp"), Claim)
 
 
-# --- effect keys in their own table (migration 0007) -----------------------------------
+# --- effect keys in their own table (migrations 0007, 0008) ----------------------------
 
 
 def test_an_effect_key_is_unique_through_effect_keys_and_freed_by_purge(
@@ -198,16 +198,49 @@ def test_ids_follow_the_callers_order_whatever_the_keys_sort_order(engine: Engin
 
 
 def test_an_effect_deleted_by_hand_takes_its_key_with_it(engine: Engine) -> None:
-    """effect_keys.effect_id references the effect ON DELETE CASCADE: an effect removed
-    any way (an operator's DELETE, an older version's retention) frees its key, which
-    can then be enqueued again; a key row never outlives its effect (review finding:
-    an orphaned key made every later enqueue of it fail)."""
+    """An effect removed any way (an operator's DELETE, an older version's retention)
+    frees its key, which can then be enqueued again; a key row never outlives its effect
+    (review finding: an orphaned key made every later enqueue of it fail). Since
+    migration 0008 a statement-level trigger does it, set-based, where a foreign key's
+    cascade did it row by row: one DELETE of several effects frees each key and deletes
+    each attempt, and leaves the others' alone."""
+    from outbox import Effect, enqueue_many
+
     with engine.begin() as conn:
-        first = enqueue(conn, "noop", {"n": 1}, key="by-hand", queue="nobody")
+        got = enqueue_many(conn, [Effect("noop", {"n": n}, key=f"by-hand-{n}",
+                                         queue="nobody") for n in range(3)])
+        for e in got:
+            conn.execute(text(
+                "INSERT INTO outbox.attempts (effect_id, attempt, worker, started_at,"
+                " outcome, error) VALUES (:i, 1, 'w', now(), 'retry', 'boom')"), {"i": e.id})
     with engine.begin() as conn:
-        conn.execute(text("DELETE FROM outbox.effects WHERE id = :i"), {"i": first.id})
+        conn.execute(text("DELETE FROM outbox.effects WHERE id = ANY(:ids)"),
+                     {"ids": [got[0].id, got[1].id]})
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT effect_key FROM outbox.effect_keys")
+                            ).scalars().all() == ["by-hand-2"]
+        assert conn.execute(text("SELECT effect_id FROM outbox.attempts")
+                            ).scalars().all() == [got[2].id]
+    with engine.begin() as conn:
+        again = enqueue(conn, "noop", {"n": 0}, key="by-hand-0", queue="nobody")
+    assert again.id not in {e.id for e in got}
+
+
+def test_truncating_the_effects_truncates_their_keys_and_attempts(engine: Engine) -> None:
+    """Without a foreign key, TRUNCATE outbox.effects alone would have left every key
+    behind, and no key could ever be enqueued again (migration 0008's TRUNCATE trigger)."""
+    with engine.begin() as conn:
+        first = enqueue(conn, "noop", {"n": 1}, key="truncated", queue="nobody")
+        conn.execute(text(
+            "INSERT INTO outbox.attempts (effect_id, attempt, worker, started_at, outcome)"
+            " VALUES (:i, 1, 'w', now(), 'retry')"), {"i": first.id})
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE outbox.effects"))
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM outbox.effect_keys")).scalar_one() == 0
+        assert conn.execute(text("SELECT count(*) FROM outbox.attempts")).scalar_one() == 0
     with engine.begin() as conn:
-        again = enqueue(conn, "noop", {"n": 1}, key="by-hand", queue="nobody")
-    assert again.id != first.id
+        again = enqueue(conn, "noop", {"n": 1}, key="truncated", queue="nobody")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT effect_id FROM outbox.effect_keys")
+                            ).scalar_one() == again.id

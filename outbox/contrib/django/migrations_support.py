@@ -22,6 +22,7 @@ MIGRATIONS: tuple[tuple[str, str], ...] = (
     ("0002_business_hash", "0005"),
     ("0003_delivered_attempt", "0006"),
     ("0004_effect_keys", "0007"),
+    ("0005_set_based_cascade", "0008"),
 )
 
 
