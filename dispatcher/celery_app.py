@@ -18,6 +18,8 @@ twice: SKIP LOCKED claims and lease tokens in the database decide, never the bro
 
 `BROKER_URL` selects the broker (Redis, RabbitMQ); unset, kombu's SQLAlchemy
 transport on the same PostgreSQL is used (a zero-setup default, not for production).
+`OUTBOX_DATABASES` (as for `outbox worker`) makes the workers serve several outbox
+databases: each drain message names its database (`celery_tasks.register`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dispatcher.celery_tasks import (
 )
 from dispatcher.celery_tasks import _dispatchers as _shared_dispatchers
 from dispatcher.celery_tasks import dispatcher_for as _dispatcher_for
+from dispatcher.fleet import DatabaseSpec
 from dispatcher.metrics import register_queue_gauges
 from outbox._config import database_url
 
@@ -77,9 +80,10 @@ app.conf.update(
 _dispatchers = _shared_dispatchers
 
 
-def dispatcher_for(queue: str) -> Dispatcher:
-    """One Dispatcher per process and queue, created after the prefork fork."""
-    return _dispatcher_for(queue, cache=_dispatchers, gauges=register_queue_gauges)
+def dispatcher_for(queue: str, *, database: DatabaseSpec | None = None) -> Dispatcher:
+    """One Dispatcher per process, database and queue, created after the prefork fork."""
+    return _dispatcher_for(queue, database=database, cache=_dispatchers,
+                           gauges=register_queue_gauges)
 
 
 # Messages go to the app's default queue (OUTBOX_CELERY_QUEUE); the doorbell is

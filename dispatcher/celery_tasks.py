@@ -34,12 +34,15 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.exc import DBAPIError
 
 from dispatcher._core import Dispatcher
+from dispatcher.fleet import DatabaseSpec, databases_from, worker_engine
 from dispatcher.handlers import load_registry
 from dispatcher.metrics import configure_metrics, register_queue_gauges
+from dispatcher.producer import FULL_SCAN_EVERY
 from dispatcher.worker import sweep as sweep_leases
 from outbox._config import make_engine
 from outbox._connections import DEFAULT_WORKER_CALL_TIMEOUT
-from outbox._enqueue import add_doorbell
+from outbox._enqueue import Where, add_doorbell
+from outbox.errors import ConfigurationError
 from outbox.retention import scheduled_retention
 from outbox.sql import dispatch as sql
 from outbox.telemetry_setup import configure as configure_traces
@@ -51,6 +54,25 @@ DRAIN_BUDGET = float(os.environ.get("OUTBOX_DRAIN_BUDGET", "10"))
 SWEEP_INTERVAL = float(os.environ.get("OUTBOX_SWEEP_INTERVAL", "5"))
 CONCURRENCY = int(os.environ.get("OUTBOX_CONCURRENCY", "8"))
 LEASE = float(os.environ.get("OUTBOX_LEASE", "30"))
+
+
+def _full_scan_every(environ: Any) -> float:
+    """OUTBOX_FULL_SCAN_EVERY: the producer's full scans under a backlog (seconds, 0:
+    every claim), as `outbox worker --full-scan-every`."""
+    raw = (environ.get("OUTBOX_FULL_SCAN_EVERY") or "").strip()
+    if not raw:
+        return FULL_SCAN_EVERY
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 3600:
+        raise ConfigurationError(f"OUTBOX_FULL_SCAN_EVERY must be seconds between 0 and "
+                                 f"3600, not {raw[:20]!r}")
+    return value
+
+
+FULL_SCAN = _full_scan_every(os.environ)
 # A sweep's retention run lasts at most this long (s), rests included: the standalone
 # worker runs retention on a thread of its own for up to OUTBOX_RETENTION_BUDGET.
 SWEEP_RETENTION_BUDGET = 30.0
@@ -71,7 +93,7 @@ _RING_RETRY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1,
                "interval_max": 0.1}
 
 _lock = threading.Lock()
-_dispatchers: dict[tuple[int, str], Dispatcher] = {}
+_dispatchers: dict[tuple[int, str, str], Dispatcher] = {}
 _telemetry_pid: int | None = None
 
 
@@ -101,11 +123,13 @@ def setup_telemetry() -> None:
     configure_metrics(SERVICE_NAME)
 
 
-def dispatcher_for(queue: str, *, cache: dict[tuple[int, str], Dispatcher] | None = None,
-                   gauges: Callable[[Any], Any] | None = None) -> Dispatcher:
-    """One Dispatcher per process and queue, created lazily after the prefork fork."""
+def dispatcher_for(queue: str, *, database: DatabaseSpec | None = None,
+                   cache: dict[tuple[int, str, str], Dispatcher] | None = None,
+                   gauges: Callable[..., Any] | None = None) -> Dispatcher:
+    """One Dispatcher per process, database and queue, created lazily after the prefork
+    fork. `database`: one of OUTBOX_DATABASES (None: DATABASE_URL)."""
     found_cache = _dispatchers if cache is None else cache
-    key = (os.getpid(), queue)
+    key = (os.getpid(), database.name if database else "", queue)
     with _lock:
         found = found_cache.get(key)
     if found is not None:
@@ -114,12 +138,17 @@ def dispatcher_for(queue: str, *, cache: dict[tuple[int, str], Dispatcher] | Non
     with _lock:
         found = found_cache.get(key)
         if found is None:
-            engine = make_engine(application_name=SERVICE_NAME, pool_size=2,
-                                 max_overflow=2, pool_pre_ping=False,  # see cmd_worker
-                                 call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
-            (gauges or register_queue_gauges)(engine)
+            if database is None:
+                engine = make_engine(application_name=SERVICE_NAME, pool_size=2,
+                                     max_overflow=2, pool_pre_ping=False,  # see cmd_worker
+                                     call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
+            else:
+                engine = worker_engine(database, SERVICE_NAME)
+            db = database.name if database else (engine.url.database or "default")
+            (gauges or register_queue_gauges)(engine, db=db)
             found = Dispatcher(engine, load_registry(), queue=queue,
-                               concurrency=CONCURRENCY, lease=LEASE)
+                               concurrency=CONCURRENCY, lease=LEASE,
+                               full_scan_every=FULL_SCAN, metric_labels={"db": db})
             found_cache[key] = found
         return found
 
@@ -196,17 +225,36 @@ class OutboxTasks:
     drain: Any = None
     sweep: Any = None
     rearms: Rearms = field(default_factory=Rearms)
-    dispatcher_for: Callable[[str], Dispatcher] = dispatcher_for
+    dispatcher_for: Callable[..., Dispatcher] = dispatcher_for
+    #: OUTBOX_DATABASES (or `register(databases=...)`): every database these workers
+    #: serve, each drained by messages that name it; None: DATABASE_URL alone.
+    databases: list[DatabaseSpec] | None = None
 
     def _route(self) -> dict[str, Any]:
         return {"queue": self.queue_name} if self.queue_name else {}
 
-    def send_drain(self, queue: str, *, kick: bool, **options: Any) -> None:
-        self.drain.apply_async(args=[queue], kwargs={"kick": kick},
-                               **{**self._route(), **options})
+    def _spec(self, name: str | None) -> DatabaseSpec | None:
+        if not self.databases or name is None:
+            return None
+        for spec in self.databases:
+            if spec.name == name:
+                return spec
+        raise ConfigurationError(f"no database named {name!r} in OUTBOX_DATABASES")
 
-    def rearm(self, d: Dispatcher, queue: str, rearms: Rearms | None = None
-              ) -> float | None:
+    def _targets(self) -> list[DatabaseSpec | None]:
+        return list(self.databases) if self.databases else [None]
+
+    def send_drain(self, queue: str, *, kick: bool, database: str | None = None,
+                   **options: Any) -> None:
+        # A message that names no database is what a single-database worker (and an
+        # older version) sends and takes: the same message as before, DATABASE_URL.
+        kwargs: dict[str, Any] = {"kick": kick}
+        if database is not None:
+            kwargs["database"] = database
+        self.drain.apply_async(args=[queue], kwargs=kwargs, **{**self._route(), **options})
+
+    def rearm(self, d: Dispatcher, queue: str, rearms: Rearms | None = None,
+              database: str | None = None) -> float | None:
         """After a drain found nothing to claim: schedule one for when work is due.
 
         Returns the countdown published, or None (nothing waits, one is already
@@ -223,20 +271,22 @@ class OutboxTasks:
         if wait is None:
             return None
         now = time.monotonic()
-        target = book.reserve(queue, min(max(wait + _ETA_SLACK, REARM_MIN), REARM_MAX), now)
+        slot = queue if database is None else f"{database}\0{queue}"
+        target = book.reserve(slot, min(max(wait + _ETA_SLACK, REARM_MIN), REARM_MAX), now)
         if target is None:
             return None
         countdown = target - now
         try:
-            self.send_drain(queue, kick=False, countdown=countdown, retry=True,
-                            retry_policy=_RING_RETRY)
+            self.send_drain(queue, kick=False, database=database, countdown=countdown,
+                            retry=True, retry_policy=_RING_RETRY)
         except Exception as exc:  # the broker is down: the sweep rings when it is back
-            book.release(queue, target)
+            book.release(slot, target)
             log.warning("drain %s: could not re-arm in %.2f s (%s)", queue, countdown, exc)
             return None
         return countdown
 
-    def run_drain(self, queue: str, kick: bool) -> dict[str, Any]:
+    def run_drain(self, queue: str, kick: bool, database: str | None = None
+                  ) -> dict[str, Any]:
         """Deliver what is due on `queue`; then arrange exactly one follow-up, if any.
 
         Budget ran out: chain another drain now. A doorbell that found nothing (rung just
@@ -247,7 +297,20 @@ class OutboxTasks:
         token), drops that Dispatcher and chains a new drain; the hard time limit
         kills the child if even that hangs.
         """
-        d = self.dispatcher_for(queue)
+        if self.databases and database is None:
+            # Serving several databases, a drain that names none (an older version's
+            # message, a doorbell that could not tell where its rows are): one per
+            # database, each of which finds its work or re-arms.
+            names = [each.name for each in self.databases]
+            for name in names:
+                self.send_drain(queue, kick=kick, database=name)
+            return {"claimed": 0, "more": False, "rearmed_in": None, "fanned_out": names}
+        try:
+            spec = self._spec(database)
+        except ConfigurationError as exc:  # a message for a database no longer served
+            log.warning("drain %s: %s; message dropped", queue, exc)
+            return {"claimed": 0, "more": False, "rearmed_in": None, "unknown": database}
+        d = self.dispatcher_for(queue, database=spec)
         before = d.stats.claimed
         start = time.monotonic()
         more = True
@@ -266,35 +329,54 @@ class OutboxTasks:
                 d.shutdown(RELEASE_GRACE)
             finally:
                 _forget(d)
-            self.send_drain(queue, kick=False)
+            self.send_drain(queue, kick=False, database=database)
             return {"claimed": d.stats.claimed - before, "more": True,
                     "rearmed_in": None, "timed_out": True}
         claimed = d.stats.claimed - before
         rearmed: float | None = None
         if more:
-            self.send_drain(queue, kick=False)
+            self.send_drain(queue, kick=False, database=database)
         elif claimed == 0 and kick:
-            self.send_drain(queue, kick=False, countdown=REARM_MIN)
+            self.send_drain(queue, kick=False, database=database, countdown=REARM_MIN)
         else:
-            rearmed = self.rearm(d, queue)
+            rearmed = self.rearm(d, queue, database=database)
         return {"claimed": claimed, "more": more, "rearmed_in": rearmed}
 
     def run_sweep(self, queue: str | None) -> dict[str, Any]:
-        """Dead-letter exhausted expired leases; ring `drain` for each queue with due
-        work; run the retention plan when it is due."""
-        engine = self.dispatcher_for(queue or "default").engine
-        dead = sweep_leases(engine)
-        with engine.connect() as conn:
-            due = [q for q in sql.queues_with_due_work(conn) if queue is None or q == queue]
-        for name in due:
-            self.send_drain(name, kick=False)
-        # Retention (outbox/retention.py): due every OUTBOX_RETENTION_INTERVAL per
-        # process, one purger at a time across workers, bounded by OUTBOX_RETENTION_BUDGET
-        # and, here, by SWEEP_RETENTION_BUDGET: the sweep task holds its worker process
-        # while it runs (resting most of it, at the default duty).
-        purged = scheduled_retention().run_if_due(engine, budget=SWEEP_RETENTION_BUDGET)
-        return {"dead_lettered": len(dead), "rung": due,
-                "purged": purged.deleted if purged is not None else None}
+        """On each database served: dead-letter exhausted expired leases; ring `drain`
+        for each queue with due work; run the retention plan when it is due."""
+        dead = 0
+        rung: list[str] = []
+        purged: dict[str, Any] = {}
+        targets = self._targets()
+        for spec in targets:
+            name = spec.name if spec else None
+            try:
+                engine = self.dispatcher_for(queue or "default", database=spec).engine
+                dead += len(sweep_leases(engine))
+                with engine.connect() as conn:
+                    due = [q for q in sql.queues_with_due_work(conn)
+                           if queue is None or q == queue]
+            except DBAPIError as exc:  # one database down must not stop the others'
+                if spec is None:
+                    raise
+                log.warning("sweep: database %s unreachable (%s)", name,
+                            str(exc).splitlines()[0][:200])
+                continue
+            for q in due:
+                self.send_drain(q, kick=False, database=name)
+            rung += [q if name is None else f"{name}/{q}" for q in due]
+            # Retention (outbox/retention.py): due every OUTBOX_RETENTION_INTERVAL per
+            # process and database, one purger at a time across workers, bounded by
+            # OUTBOX_RETENTION_BUDGET and, here, by SWEEP_RETENTION_BUDGET shared by the
+            # databases: the sweep task holds its worker process while it runs (resting
+            # most of it, at the default duty).
+            run = scheduled_retention(name or "").run_if_due(
+                engine, budget=SWEEP_RETENTION_BUDGET / len(targets))
+            if run is not None:
+                purged[name or ""] = run.deleted
+        return {"dead_lettered": dead, "rung": rung,
+                "purged": (purged.get("") if not self.databases else purged) or None}
 
     def ring_sweep(self) -> None:
         """Publish one sweep message; a broker that is down is retried on the next tick."""
@@ -316,30 +398,47 @@ class OutboxTasks:
         """
         self.send_drain(queue, kick=True, retry=True, retry_policy=_RING_RETRY)
 
+    def ring_located(self, queue: str, where: Where | None) -> None:
+        """The doorbell when serving several databases: a drain of the database the
+        rows were committed to, matched by (host, port, database); a connection that
+        matches none (or does not say) rings a drain that fans out to every one."""
+        name = next((s.name for s in self.databases or () if s.target == where), None)
+        self.send_drain(queue, kick=True, database=name, retry=True,
+                        retry_policy=_RING_RETRY)
+
     def install_doorbell(self) -> None:
         """Make every committed enqueue in this process ring this app."""
-        add_doorbell(self.ring)
+        if self.databases:
+            add_doorbell(self.ring_located, located=True)
+        else:
+            add_doorbell(self.ring)
 
 
 def register(app: Celery, *, queue_name: str | None = None,
              sweep_interval: float = SWEEP_INTERVAL, beat: bool = True,
              doorbell: bool = True, drain_budget: float = DRAIN_BUDGET,
-             periodic_sweep: bool = True) -> OutboxTasks:
+             periodic_sweep: bool = True,
+             databases: list[str] | None = None) -> OutboxTasks:
     """Add our `outbox.drain`/`outbox.sweep` tasks to `app`, with its configuration.
 
     `queue_name`: the Celery queue our messages go to (None: the app's default queue);
     the worker must consume it (`-Q`). `beat`: add the `outbox-sweep` beat entry
     (redundant with the per-worker sweep, harmless). `periodic_sweep`: each worker
     sends itself a sweep at start and every `sweep_interval` seconds (no beat needed).
-    `doorbell`: enqueues committed in this process ring this app.
+    `doorbell`: enqueues committed in this process ring this app. `databases`: serve
+    several outbox databases (`URL` or `NAME=URL` each, as `outbox worker --database`;
+    default $OUTBOX_DATABASES, else $DATABASE_URL alone): each drain message names its
+    database, the sweep visits each one, and a doorbell rings the one that has the rows.
     """
+    specs = databases_from(databases, os.environ)  # a bad entry: ConfigurationError
     tasks = OutboxTasks(app=app, queue_name=queue_name, sweep_interval=sweep_interval,
-                        drain_budget=drain_budget)
+                        drain_budget=drain_budget, databases=specs)
     soft, hard = drain_time_limits(drain_budget, LEASE)
     route = tasks._route()
 
-    def drain(queue: str = "default", kick: bool = True) -> dict[str, Any]:
-        return tasks.run_drain(queue, kick)
+    def drain(queue: str = "default", kick: bool = True,
+              database: str | None = None) -> dict[str, Any]:
+        return tasks.run_drain(queue, kick, database)
 
     def sweep(queue: str | None = None) -> dict[str, Any]:
         """Sent by every worker to itself (`SweepTimer`) and by beat if one runs."""

@@ -36,26 +36,63 @@ from outbox.sql import effects as sql
 
 DEFAULT_MAX_ATTEMPTS = 25
 
-_doorbells: list[Callable[[str], None]] = []
+#: Where an enqueue ran: (host, port, database) of its connection, as a doorbell that
+#: serves several databases needs it (None where the handle does not say).
+Where = tuple[str, int, str]
+
+_doorbells: list[Callable[..., None]] = []
+_located: set[Callable[..., None]] = set()  # the bells called as bell(queue, where)
 _doorbell_lock = threading.Lock()
 
 
-def add_doorbell(ring: Callable[[str], None]) -> None:
+def add_doorbell(ring: Callable[..., None], *, located: bool = False) -> None:
     """Call `ring(queue)` after a transaction that enqueued effects commits.
 
     The Celery runner registers one that sends a payload-less `drain` task. A lost or
     early ring loses nothing: the sweep finds every due row. Every enqueue also sends
-    a transactional NOTIFY, which PostgreSQL delivers only on commit.
+    a transactional NOTIFY, which PostgreSQL delivers only on commit. `located`: call
+    `ring(queue, where)` instead, `where` being the enqueue's (host, port, database), or
+    None when its handle does not say (a runner serving several databases rings the
+    one that has the rows).
     """
     with _doorbell_lock:
         if ring not in _doorbells:
             _doorbells.append(ring)
+        if located:
+            _located.add(ring)
 
 
-def remove_doorbell(ring: Callable[[str], None]) -> None:
+def remove_doorbell(ring: Callable[..., None]) -> None:
     with _doorbell_lock:
         if ring in _doorbells:
             _doorbells.remove(ring)
+        _located.discard(ring)
+
+
+def _where(target: Any) -> Where | None:
+    """(host, port, database) of the connection `target` enqueued on, if it says."""
+    try:
+        module = type(target).__module__
+        if module.startswith("sqlalchemy"):
+            from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+            from sqlalchemy.orm import Session, scoped_session
+
+            if isinstance(target, scoped_session):
+                target = target()
+            if isinstance(target, AsyncSession | AsyncConnection):
+                target = target.sync_session if isinstance(target, AsyncSession) \
+                    else target.sync_connection
+            bind = target.get_bind() if isinstance(target, Session) else target
+            url = bind.engine.url
+            return ((url.host or "").lower(), url.port or 5432,
+                    url.database or url.username or "")
+        settings = getattr(target, "settings_dict", None)  # a Django connection
+        if isinstance(settings, dict):
+            return (str(settings.get("HOST") or "").lower(),
+                    int(settings.get("PORT") or 5432), str(settings.get("NAME") or ""))
+    except Exception:  # a handle we cannot read: the runner rings every database
+        return None
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +223,10 @@ def _ring_after_commit(target: Any, queues: set[str]) -> None:
     if hook is None:
         return
     owner, register = hook
+    where = _where(target) if _located else None
     if owner is None:
         once = set(queues)
-        register(lambda: _ring(once))
+        register(lambda: _ring(once, where))
         return
     with _pending_lock:
         folded = _pending.get(owner)
@@ -202,16 +240,19 @@ def _ring_after_commit(target: Any, queues: set[str]) -> None:
         with _pending_lock:
             if _pending.get(owner) is pending:
                 del _pending[owner]
-        _ring(pending)
+        _ring(pending, where)
 
     register(ring)
 
 
-def _ring(queues: set[str]) -> None:
+def _ring(queues: set[str], where: Where | None = None) -> None:
     for queue in sorted(queues):
         for bell in list(_doorbells):
             with contextlib.suppress(Exception):
-                bell(queue)
+                if bell in _located:
+                    bell(queue, where)
+                else:
+                    bell(queue)
 
 
 def _rows_for(batch: Sequence[Effect], claim: Claim | None, headers: str

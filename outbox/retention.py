@@ -465,20 +465,22 @@ def _counts(deleted: Mapping[str, int]) -> str:
     return ", ".join(f"{n} {name}" for name, n in deleted.items() if n)
 
 
-_scheduled: dict[int, ScheduledRetention] = {}
+_scheduled: dict[tuple[int, str], ScheduledRetention] = {}
 _scheduled_lock = threading.Lock()
 
 
-def scheduled_retention() -> ScheduledRetention:
-    """This process's schedule from the environment (one per pid: safe after a fork).
+def scheduled_retention(database: str = "") -> ScheduledRetention:
+    """This process's schedule from the environment (one per pid: safe after a fork),
+    and per `database` when one process serves several (each is purged on its own
+    schedule, under its own database's purger lock).
 
     A bad configuration is logged as an ERROR and disables the schedule here (the
     Celery sweep must go on ringing); the standalone worker builds its own with
     `ScheduledRetention.from_env()` and refuses to start instead.
     """
-    pid = os.getpid()
+    key = (os.getpid(), database)
     with _scheduled_lock:
-        found = _scheduled.get(pid)
+        found = _scheduled.get(key)
         if found is None:
             try:
                 found = ScheduledRetention.from_env()
@@ -487,6 +489,6 @@ def scheduled_retention() -> ScheduledRetention:
                 found = ScheduledRetention(None)
             else:
                 log.info("retention: %s", found.plan.describe() if found.plan else "off")
-            _scheduled[pid] = found
+            _scheduled[key] = found
         return found
 

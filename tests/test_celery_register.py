@@ -226,7 +226,7 @@ def test_drain_time_limit_releases_in_flight_work(engine: Engine) -> None:
     app = Celery("drain-limit-test", broker="memory://", set_as_current=False)
     tasks = register(app, queue_name="soft-outbox", doorbell=False, periodic_sweep=False,
                      drain_budget=0.5)
-    tasks.dispatcher_for = lambda queue: d
+    tasks.dispatcher_for = lambda queue, **_: d
     sent: list[dict[str, Any]] = []
     tasks.drain.apply_async = lambda *a, **kw: sent.append(kw)
     started = time.monotonic()

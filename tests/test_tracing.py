@@ -452,7 +452,8 @@ def test_celery_dispatcher_for_registers_the_gauges(
     from dispatcher import celery_app
 
     seen: list[Any] = []
-    monkeypatch.setattr(celery_app, "register_queue_gauges", seen.append)
+    monkeypatch.setattr(celery_app, "register_queue_gauges",
+                        lambda engine, **_: seen.append(engine))
     monkeypatch.setattr(celery_app, "_dispatchers", {})
     d = celery_app.dispatcher_for("gauges-test")
     try:

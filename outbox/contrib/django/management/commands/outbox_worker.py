@@ -6,10 +6,13 @@ import argparse
 import sys
 from typing import Any
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
+from django.utils.connection import ConnectionDoesNotExist
 
 from outbox.contrib.django import conf
+from outbox.contrib.django.db import database_url
 from outbox.contrib.django.management.commands._cli import run_cli
+from outbox.errors import ConfigurationError
 
 
 class Command(BaseCommand):
@@ -28,18 +31,33 @@ class Command(BaseCommand):
                                  "$OUTBOX_HANDLERS, then the payments example)")
         parser.add_argument("--name", default=None,
                             help="application_name for pg_stat_activity")
-        parser.add_argument("--database", default=None,
-                            help="database alias (default OUTBOX['DATABASE'])")
+        parser.add_argument("--full-scan-every", type=float, default=2.0,
+                            metavar="SECONDS",
+                            help="under a full backlog, claim from the head of the queue "
+                                 "(not the watermark) at least this often (2); 0: always")
+        parser.add_argument("--database", action="append", default=None, metavar="ALIAS",
+                            help="database alias (default OUTBOX['DATABASE']); repeat it "
+                                 "to serve several outbox databases from this one process "
+                                 "(`outbox worker --database`), named by their aliases")
 
     def handle(self, *args: Any, **options: Any) -> None:
         argv = ["worker", "--concurrency", str(options["concurrency"]),
                 "--queue", options["queue"], "--lease", str(options["lease"]),
-                "--poll", str(options["poll"]), "--grace", str(options["grace"])]
+                "--poll", str(options["poll"]), "--grace", str(options["grace"]),
+                "--full-scan-every", str(options["full_scan_every"])]
         handlers = options["handlers"] or conf.get().handlers
         if handlers:
             argv += ["--handlers", handlers]
         if options["name"]:
             argv += ["--name", options["name"]]
-        code = run_cli(argv, options["database"], self.stdout)
+        aliases: list[str] = options["database"] or []
+        try:
+            for alias in aliases:  # an unknown or non-PostgreSQL alias: one line
+                url = database_url(alias)
+                if len(aliases) > 1:  # a fleet: each alias's database, named by its alias
+                    argv += ["--database", f"{alias}={url}"]
+        except (ConnectionDoesNotExist, ConfigurationError) as exc:
+            raise CommandError(str(exc)) from None
+        code = run_cli(argv, aliases[0] if aliases else None, self.stdout)
         if code:
             sys.exit(code)
