@@ -73,9 +73,9 @@ def _full_scan_every(environ: Any) -> float:
 
 
 FULL_SCAN = _full_scan_every(os.environ)
-# A sweep's retention run lasts at most this long (s), rests included: the standalone
-# worker runs retention on a thread of its own for up to OUTBOX_RETENTION_BUDGET.
-SWEEP_RETENTION_BUDGET = 30.0
+# The retention runs a sweep starts (one thread per database and process, see
+# run_sweep) end with the process: never set.
+_RETENTION_STOP = threading.Event()
 # A re-armed drain waits at most this long (then looks again and re-arms if need be).
 # Its message is an ETA message the worker holds unacknowledged until it is due, so
 # this must stay far below Redis's visibility_timeout (1 h by default: a message held
@@ -344,12 +344,11 @@ class OutboxTasks:
 
     def run_sweep(self, queue: str | None) -> dict[str, Any]:
         """On each database served: dead-letter exhausted expired leases; ring `drain`
-        for each queue with due work; run the retention plan when it is due."""
+        for each queue with due work; start the retention plan when it is due."""
         dead = 0
         rung: list[str] = []
-        purged: dict[str, Any] = {}
-        targets = self._targets()
-        for spec in targets:
+        retention: list[str] = []
+        for spec in self._targets():
             name = spec.name if spec else None
             try:
                 engine = self.dispatcher_for(queue or "default", database=spec).engine
@@ -367,16 +366,14 @@ class OutboxTasks:
                 self.send_drain(q, kick=False, database=name)
             rung += [q if name is None else f"{name}/{q}" for q in due]
             # Retention (outbox/retention.py): due every OUTBOX_RETENTION_INTERVAL per
-            # process and database, one purger at a time across workers, bounded by
-            # OUTBOX_RETENTION_BUDGET and, here, by SWEEP_RETENTION_BUDGET shared by the
-            # databases: the sweep task holds its worker process while it runs (resting
-            # most of it, at the default duty).
-            run = scheduled_retention(name or "").run_if_due(
-                engine, budget=SWEEP_RETENTION_BUDGET / len(targets))
-            if run is not None:
-                purged[name or ""] = run.deleted
-        return {"dead_lettered": dead, "rung": rung,
-                "purged": (purged.get("") if not self.databases else purged) or None}
+            # process and database, one purger at a time across workers, on a thread of
+            # its own for up to OUTBOX_RETENTION_BUDGET, as in `outbox worker`: a paced
+            # run rests most of its time, and the sweep task must not hold its worker
+            # process meanwhile (it used to run here, capped at 30 s, which at a low duty
+            # purged too little to keep up).
+            if scheduled_retention(name or "").start_if_due(engine, _RETENTION_STOP):
+                retention.append(name or "")
+        return {"dead_lettered": dead, "rung": rung, "retention_started": retention}
 
     def ring_sweep(self) -> None:
         """Publish one sweep message; a broker that is down is retried on the next tick."""

@@ -242,3 +242,35 @@ def test_drain_time_limit_releases_in_flight_work(engine: Engine) -> None:
     assert row.status != "in_flight" and row.lease_token is None, row
     assert [s["args"] for s in sent] == [["soft"]]
     assert sent[0]["queue"] == "soft-outbox"
+
+
+def test_the_sweep_starts_retention_on_a_thread_and_returns(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep task starts a due retention run on a thread of its own (as `outbox
+    worker` does) and returns at once: a paced run rests most of its time, and the task
+    must not hold its worker process meanwhile."""
+    from celery import Celery
+
+    from dispatcher import celery_tasks
+    from dispatcher.celery_tasks import register
+    from outbox.retention import RetentionPlan, ScheduledRetention
+
+    schedule = ScheduledRetention(
+        RetentionPlan(effects=86400.0, keys=False, inbox=None, conflicts=None,
+                      versions=None), interval=600.0, budget=30.0, duty=0.5)
+    schedule._next = 0.0  # due now (the first run otherwise comes a minute after start)
+    monkeypatch.setattr(celery_tasks, "scheduled_retention", lambda name="": schedule)
+    [old] = add_effects(engine, ["sweep-retention"], queue="sweep-retention")
+    with engine.begin() as conn:
+        conn.execute(text(
+            "UPDATE outbox.effects SET status = 'delivered', delivered_at = now() - interval"
+            " '10 days', finished_at = now() - interval '10 days' WHERE id = :i"), {"i": old})
+    d = Dispatcher(engine, Registry(), queue="sweep-retention", concurrency=2)
+    app = Celery("sweep-retention-test", broker="memory://", set_as_current=False)
+    tasks = register(app, doorbell=False, periodic_sweep=False, beat=False)
+    tasks.dispatcher_for = lambda queue, **_: d
+    result = tasks.run_sweep("sweep-retention")
+    assert result["retention_started"] == [""]
+    schedule.join(30)
+    assert schedule.last is not None and schedule.last.deleted["effects"] == 1
+    assert tasks.run_sweep("sweep-retention")["retention_started"] == []  # not due again
