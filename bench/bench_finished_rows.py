@@ -18,7 +18,9 @@ background processes, bench_dispatch.CpuMonitor), the claim's time in the worker
 finished rows older than the horizon and runs `outbox purge --older-than 1h` (the CLI,
 a subprocess) while the worker drains: the claim's p99 then vs. without the purge is
 the "retention without moving the claim's p99" target; one retention cell per
-`--duties` value (`outbox purge --duty`: the share of time it spends deleting).
+`--duties` value (`outbox purge --duty`: the share of time it spends deleting). A purge
+still running when the cell's last interval ends (`--max-intervals`) is stopped there;
+the summary says how many rows it had purged (`purged`, `purge_complete`).
 
 Runs on the machine's PostgreSQL (autovacuum off there: nothing here needs it; the
 tables are vacuumed once after the fill) or any `DATABASE_URL`. Summary line: server
@@ -181,8 +183,12 @@ def run_cell(args: argparse.Namespace, scratch: bd.Scratch, finished: int,
         worker.close()
         purge_rc = purge_s = None
         if purger is not None:
+            # A purge still running when the measured window ends (a low duty) is
+            # stopped: what it deleted by then is reported (`purged`), not awaited.
+            if purger.poll() is None:
+                purger.send_signal(signal.SIGTERM)
             try:
-                purger.wait(900)
+                purger.wait(60)
             except subprocess.TimeoutExpired:
                 purger.kill()
             waiter.join(5)
@@ -207,6 +213,8 @@ def run_cell(args: argparse.Namespace, scratch: bd.Scratch, finished: int,
             summary["finished_left"] = int(c.execute(
                 "SELECT count(*) FROM outbox.effects WHERE status = 'delivered'"
                 " AND finished_at < now() - interval '1 hour'").fetchone()[0])
+        summary["purged"] = finished - summary["finished_left"]
+        summary["purge_complete"] = summary["finished_left"] == 0
     emit(summary)
     return summary
 
