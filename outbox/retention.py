@@ -35,14 +35,16 @@ honours the same horizons):
     OUTBOX_RETAIN_VERSIONS=30d     entity versions; `off`
     OUTBOX_RETAIN_HORIZONS=stripe=3d,github=1d   senders' redelivery horizons
     OUTBOX_RETENTION_INTERVAL=10m  between two runs of one process (first: within 1 min)
-    OUTBOX_RETENTION_BUDGET=2m     the longest one run lasts, rests included (the rest:
-                                   next run; at the default duty ~12 s of deleting, ~2M
-                                   finished effects on a small box)
+    OUTBOX_RETENTION_BUDGET=5m     the longest one run lasts, rests included (the rest:
+                                   next run; at the default duty ~9 s of deleting, about
+                                   400k finished effects on a slow 2-core box)
     OUTBOX_RETENTION_BATCH=500     rows per delete transaction
-    OUTBOX_RETENTION_DUTY=0.1      the share of wall time a run spends deleting: after
+    OUTBOX_RETENTION_DUTY=0.03     the share of wall time a run spends deleting: after
                                    a batch that took t, it rests t * (1 - duty) / duty,
                                    so the dispatcher's claims keep their p99 while a
-                                   million rows go (docs/benchmarks.md, "Finished rows")
+                                   million rows go (docs/benchmarks.md, "Retention beside
+                                   the claims"); raise it when finished effects arrive
+                                   faster than the defaults purge them (~700 a second)
 
 Why on by default: the security review found rows nobody ever deleted (1 MB conflict
 copies, versions, attempts) because purging was a command someone had to remember to
@@ -77,9 +79,9 @@ log = logging.getLogger("outbox.retention")
 DAY = 86400.0
 DEFAULT_WINDOW = 30 * DAY
 DEFAULT_INTERVAL = 600.0
-DEFAULT_BUDGET = 120.0
+DEFAULT_BUDGET = 300.0
 DEFAULT_BATCH = 500
-DEFAULT_DUTY = 0.1
+DEFAULT_DUTY = 0.03
 FIRST_RUN_MAX_DELAY = 60.0
 
 #: The classes, in the order a run purges them, as `outbox purge` reports them.
