@@ -272,14 +272,18 @@ class Dispatcher:
         now = time.monotonic()
         submit, finished = self._pool.submit, self._finished
         on_loop: list[tuple[Claimed, _InFlight]] = []
-        for row in rows:
-            item = _InFlight(row, now, self.executor.deadline(now))
-            with self._lock:
-                self._inflight[row.id] = item
+        deadline = self.executor.deadline(now)
+        items = [_InFlight(row, now, deadline) for row in rows]
+        with self._lock:  # one acquisition per claim, before any delivery can end
+            for item in items:
+                self._inflight[item.row.id] = item
+        runs_on_loop = self.executor.runs_on_loop
+        for item in items:
+            row = item.row
             # An async handler's delivery is a task of the event loop (no pool thread
             # waits for it), all of a claim's started in one hand-off; a sync one runs
             # on a pool thread.
-            if self.executor.runs_on_loop(row.kind):
+            if runs_on_loop(row.kind):
                 on_loop.append((row, item))
                 continue
             future = submit(self._deliver, row, now)

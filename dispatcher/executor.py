@@ -215,6 +215,7 @@ class Executor:
         self._loop_lock = threading.Lock()
         self._loop_closed = False
         self._awaiting: set[Future[Any]] = set()  # results pool threads wait for
+        self._on_loop: dict[str, tuple[Any, bool]] = {}  # kind -> (registration, async?)
 
     def deadline(self, started_monotonic: float) -> float:
         """The attempt's deadline (time.monotonic()): the handler must have returned by
@@ -256,9 +257,16 @@ class Executor:
         registration = self.registry.get(kind)
         if registration is None:
             return False
+        # Asked once per claimed row: the answer is kept per registration (a kind
+        # registered again gets a new one, and is inspected again).
+        known = self._on_loop.get(kind)
+        if known is not None and known[0] is registration:
+            return known[1]
         handler = registration.handler
         call = type(handler).__call__ if not inspect.isroutine(handler) else None
-        return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
+        on_loop = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
+        self._on_loop[kind] = (registration, on_loop)
+        return on_loop
 
     def submit_async_many(self, rows: Sequence[Claimed], started_monotonic: float
                           ) -> list[Future[Outcome]]:
