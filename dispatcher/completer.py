@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from dispatcher.producer import HeldConnection, db_retry
 from outbox._idempotency import Clock
@@ -27,6 +27,12 @@ from outbox.sql import dispatch as sql
 from outbox.sql.dispatch import Outcome
 
 log = logging.getLogger("outbox.dispatcher")
+
+
+def _connection_lost(exc: DBAPIError) -> bool:
+    """A failure of the connection, not of the statement: worth writing again later."""
+    return bool(exc.connection_invalidated) or isinstance(
+        exc, OperationalError | InterfaceError)
 
 # How long the background writer waits for a fuller batch (seconds): the price in
 # `delivered_at` latency of writing one statement per batch instead of per effect.
@@ -93,7 +99,21 @@ class Completer:
         try:
             try:
                 recorded = self._record(batch)
-            except DBAPIError:
+            except DBAPIError as exc:
+                if _connection_lost(exc) and not self._stopping:
+                    # The database did not answer for db_retry's whole budget (a
+                    # failover, a partition). The outcomes are kept, first in line, and
+                    # written when it answers: each is still fenced by its lease token,
+                    # so one whose lease expired and was taken meanwhile is recorded as
+                    # lease_lost. Dropped, each effect was delivered again after its
+                    # lease, and one on its last attempt was dead-lettered although it
+                    # had been delivered. The kept backlog stops the claims (`_free`).
+                    with self._lock:
+                        self.pending[:0] = batch
+                    log.warning("could not record %d outcomes (%s); kept, to be written "
+                                "when the database answers", len(batch),
+                                str(exc.orig or exc).splitlines()[0][:200])
+                    return {}
                 log.exception("could not record %d outcomes; their leases will expire and "
                               "the effects will be redelivered with the same keys",
                               len(batch))

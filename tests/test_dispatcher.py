@@ -716,6 +716,50 @@ def _noop_registry() -> Registry:
     return reg
 
 
+def test_outcomes_the_database_did_not_take_are_kept_and_written_when_it_answers(
+        engine: Engine) -> None:
+    """A record that failed for db_retry's whole budget (a failover, a partition) used to
+    drop its batch: every effect in it was delivered again once its lease expired, and
+    one on its last attempt was dead-lettered (`failed`) although it had been delivered.
+    A connection failure now keeps the outcomes, first in line, for the next write; a
+    statement the database refuses is still dropped (it would fail every time)."""
+    from sqlalchemy.exc import DataError
+
+    add_effects(engine, ["kept-1", "kept-2"], kind="noop", max_attempts=1)
+    add_effects(engine, ["refused"], kind="noop")
+    d = Dispatcher(engine, _noop_registry(), concurrency=4)
+    real = d.completer._record
+    failures: list[BaseException] = [
+        OperationalError("record", {}, Exception("server closed the connection")),
+        DataError("record", {}, Exception("invalid input")),
+    ]
+
+    def flaky(batch: list[sql.Outcome]) -> dict[int, str]:
+        if failures:
+            raise failures.pop(0)
+        return real(batch)
+
+    d.completer._record = flaky  # type: ignore[method-assign]
+    try:
+        assert d.fill() == 3
+        wait_until(lambda: len(d._done) == 3, 5)
+        refused = next(o for o in d._done if o.effect_id == effect_row(engine, "refused").id)
+        d.completer.pending.remove(refused)
+        assert d.flush() == {} and len(d._done) == 2  # not taken, and kept
+        kept = list(d.completer.pending)
+        d.completer.pending[:] = [refused]
+        assert d.flush() == {} and d._done == []  # a refused statement: dropped
+        d.completer.pending[:] = kept
+    finally:
+        d.shutdown(0)
+    # The kept ones were written by the shutdown's flush, each once, as delivered.
+    for key in ("kept-1", "kept-2"):
+        row = effect_row(engine, key)
+        assert (row.status, row.attempts) == ("delivered", 1), key
+        assert [a.outcome for a in attempts_of(engine, row.id)] == ["delivered"]
+    assert effect_row(engine, "refused").status == "in_flight"  # its lease will expire
+
+
 def test_run_survives_database_errors_while_claiming(engine: Engine,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """F25/F26: a claim that fails (server gone, connection killed) must not kill the loop."""
