@@ -148,6 +148,13 @@ def parse_databases(entries: Sequence[tuple[str, str]]) -> list[DatabaseSpec]:
     return specs
 
 
+# Entries are separated by whitespace, or by a comma that starts the next entry (its
+# `NAME=` or its scheme): a comma inside a URL (libpq's `host=h1,h2`, an `options` value)
+# stays in it.
+_ENTRY_SEPARATOR = re.compile(
+    r"\s+|,\s*(?=(?:[A-Za-z0-9_.-]{1,63}=)?postgres(?:ql)?(?:\+\w+)?://)")
+
+
 def databases_from(flags: Sequence[str] | None,
                    environ: Mapping[str, str]) -> list[DatabaseSpec] | None:
     """The databases to serve: `--database` flags if any, else `OUTBOX_DATABASES`;
@@ -161,7 +168,7 @@ def databases_from(flags: Sequence[str] | None,
     raw = environ.get(DATABASES_ENV, "").strip()
     if not raw:
         return None
-    items = [v for v in re.split(r"[\s,]+", raw) if v]
+    items = [v for v in _ENTRY_SEPARATOR.split(raw) if v]
     return parse_databases([(f"{DATABASES_ENV} entry {i}", v)
                             for i, v in enumerate(items, 1)])
 

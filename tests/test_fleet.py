@@ -206,6 +206,13 @@ def test_names_urls_and_the_variable() -> None:
     env = {DATABASES_ENV: "a=postgresql://h/x, postgresql://h/y\n\tpostgresql://h2/z"}
     from_env = databases_from(None, env)
     assert from_env is not None and [s.name for s in from_env] == ["a", "y", "z"]
+    # A comma inside a URL (several hosts, an options value) stays in it.
+    commas = databases_from(None, {DATABASES_ENV: (
+        "a=postgresql://u@/x?host=h1,h2&target_session_attrs=read-write,"
+        "b=postgresql://u@h/y?options=-c%20search_path%3Dp,q , postgresql://h/z")})
+    assert commas is not None and [s.name for s in commas] == ["a", "b", "z"]
+    assert make_url(commas[0].url).query["host"] == "h1,h2"
+    assert make_url(commas[1].url).query["options"] == "-c search_path=p,q"
     # The flags replace the variable.
     flags = databases_from(["q=postgresql://h/q"], env)
     assert flags is not None and [s.name for s in flags] == ["q"]
