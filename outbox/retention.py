@@ -307,31 +307,42 @@ class RetentionPlan:
         cursor: list[tuple[str, str] | None] = [versions_after]
         steps = self._steps(clock, cursor)
         deleted = {name: 0 for name, _ in steps}
-        complete = True
-        for i, (name, step) in enumerate(steps):
-            share = None if end is None else \
-                time.monotonic() + max(0.0, end - time.monotonic()) / (len(steps) - i)
-            while True:
-                if stopped():
+        # Passes over the classes not yet done, each class getting an even share of
+        # what is left of the budget: time a class leaves unused (most have little to
+        # delete) goes to the next pass, so a busy class (the effects) gets all of it
+        # rather than its first share alone.
+        todo = steps
+        while todo:
+            unfinished: list[tuple[str, Callable[[Connection], tuple[int, bool]]]] = []
+            for i, (name, step) in enumerate(todo):
+                share = None if end is None else \
+                    time.monotonic() + max(0.0, end - time.monotonic()) / (len(todo) - i)
+                while True:
+                    if stopped():
+                        return RetentionRun(deleted, complete=False,
+                                            versions_after=cursor[0])
+                    began = time.monotonic()
+                    with conn.begin():
+                        n, done = step(conn)
+                    rest = pause + (time.monotonic() - began) * (1 - duty) / duty
+                    deleted[name] += n
+                    if progress is not None and n:
+                        progress(name, deleted[name])
+                    if done:
+                        break
+                    if share is not None and time.monotonic() >= share:
+                        unfinished.append((name, step))  # more in the next pass
+                        break
+                    if share is not None:  # never past this class's share of the budget
+                        rest = min(rest, max(0.0, share - time.monotonic()))
+                    _rest(rest, stopped)
+            if not unfinished or end is None or time.monotonic() >= end:
+                if unfinished:  # the rest next run
                     return RetentionRun(deleted, complete=False, versions_after=cursor[0])
-                began = time.monotonic()
-                with conn.begin():
-                    n, done = step(conn)
-                rest = pause + (time.monotonic() - began) * (1 - duty) / duty
-                deleted[name] += n
-                if progress is not None and n:
-                    progress(name, deleted[name])
-                if done:
-                    break
-                if share is not None and time.monotonic() >= share:
-                    complete = False  # the rest next run; the other classes get theirs
-                    break
-                if share is not None:  # never past this class's share of the budget
-                    rest = min(rest, max(0.0, share - time.monotonic()))
-                _rest(rest, stopped)
-        if complete:
-            cursor[0] = None
-        return RetentionRun(deleted, complete=complete, versions_after=cursor[0])
+                break
+            todo = unfinished
+        cursor[0] = None
+        return RetentionRun(deleted, complete=True, versions_after=cursor[0])
 
 
 def _check_duty(duty: float) -> float:

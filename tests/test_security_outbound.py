@@ -909,3 +909,27 @@ def test_logs_mask_payload_fields_by_the_same_rules(monkeypatch: pytest.MonkeyPa
         assert "4242424242424242" not in line and "sk_1" not in line, line
         assert "5" in line
     assert payload["card"]["number"] == "4242424242424242"  # the caller's copy is intact
+
+
+def test_a_busy_class_gets_the_budget_the_others_leave(engine: Engine) -> None:
+    """Each class starts with an even share of the budget; what the others leave unused
+    (they have nothing to delete here) goes to the effects in the next pass. Before, the
+    effects had their first share only (a fifth of the budget with the default plan),
+    and the scheduled runs purged a fifth of what their duty and budget promised."""
+    with engine.begin() as conn:
+        conn.execute(text(
+            "WITH ins AS (INSERT INTO outbox.effects (effect_key, kind, payload, status,"
+            " delivered_at, finished_at) SELECT 'busy-' || g, 'noop', '{}', 'delivered',"
+            " now() - interval '40 days', now() - interval '40 days'"
+            " FROM generate_series(1, 4000) g RETURNING id, effect_key)"
+            " INSERT INTO outbox.effect_keys (effect_key, effect_id)"
+            " SELECT effect_key, id FROM ins"))
+    plan = RetentionPlan(batch=50)  # every class on, as by default
+    batches: list[float] = []
+    run = plan.run(engine, budget=1.5, duty=0.1,
+                   progress=lambda name, total: batches.append(time.monotonic()))
+    assert not run.complete
+    # Rests of 9x each batch: at its first share (0.3 s) the effects stop after a few
+    # batches; with the whole budget they keep deleting until ~1.5 s.
+    assert batches[-1] - batches[0] > 0.9, (len(batches), batches[-1] - batches[0])
+    assert run.deleted["effects"] < 4000
