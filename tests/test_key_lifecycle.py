@@ -244,3 +244,46 @@ def test_truncating_the_effects_truncates_their_keys_and_attempts(engine: Engine
     with engine.connect() as conn:
         assert conn.execute(text("SELECT effect_id FROM outbox.effect_keys")
                             ).scalar_one() == again.id
+
+
+def test_the_cascade_functions_serve_outbox_effects_only(engine: Engine) -> None:
+    """The trigger functions run as the schema's owner (SECURITY DEFINER). Reviewed: left
+    executable by PUBLIC, any role could hang `effects_truncated()` on a table of its own,
+    TRUNCATE it and empty every effect key (each could then be enqueued twice). EXECUTE is
+    revoked from PUBLIC, and a function hung on another table refuses to run."""
+    import uuid
+
+    from sqlalchemy.exc import DBAPIError
+
+    role = f"outbox_probe_{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(text(f'CREATE ROLE "{role}"'))
+        conn.execute(text(f'GRANT USAGE ON SCHEMA outbox TO "{role}"'))
+        first = enqueue(conn, "noop", {"n": 1}, key="kept-key", queue="nobody")
+    try:
+        for function in ("effects_truncated", "effects_deleted"):
+            timing = "TRUNCATE" if function == "effects_truncated" else "DELETE"
+            with pytest.raises(DBAPIError, match="permission denied"):
+                with engine.begin() as conn:
+                    conn.execute(text(f'SET LOCAL ROLE "{role}"'))
+                    conn.execute(text("CREATE TEMP TABLE probe (id bigint)"))
+                    conn.execute(text(
+                        f"CREATE TRIGGER probe_t AFTER {timing} ON probe"
+                        + (" REFERENCING OLD TABLE AS gone" if timing == "DELETE" else "")
+                        + f" FOR EACH STATEMENT EXECUTE FUNCTION outbox.{function}()"))
+        with engine.begin() as conn:  # the owner may; the function still refuses
+            conn.execute(text("CREATE TABLE public.probe_owner (id bigint)"))
+            conn.execute(text(
+                "CREATE TRIGGER t AFTER TRUNCATE ON public.probe_owner FOR EACH STATEMENT"
+                " EXECUTE FUNCTION outbox.effects_truncated()"))
+        with pytest.raises(DBAPIError, match="serves outbox.effects only"):
+            with engine.begin() as conn:
+                conn.execute(text("TRUNCATE public.probe_owner"))
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT effect_id FROM outbox.effect_keys")
+                                ).scalars().all() == [first.id]
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE IF EXISTS public.probe_owner"))
+            conn.execute(text(f'DROP OWNED BY "{role}"'))
+            conn.execute(text(f'DROP ROLE "{role}"'))

@@ -21,7 +21,9 @@ effect, however the effect goes:
   use; the function then DELETEs what is left (nothing, or the table it did not name).
 
 The functions are SECURITY DEFINER, as the foreign key's cascade ran as the owner of the
-tables: a role allowed to delete effects need not be allowed to delete keys.
+tables: a role allowed to delete effects need not be allowed to delete keys. So that
+nobody else can use them, EXECUTE is revoked from PUBLIC (PostgreSQL checks it when a
+trigger is created, not when it fires) and each refuses to run for another table.
 The enqueue writes an effect and its key in the same statement (outbox/sql/effects.py),
 so no key is ever written without its effect, and no insert needs a check.
 
@@ -45,6 +47,9 @@ _FREE = """
 CREATE FUNCTION outbox.effects_deleted() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
+    IF TG_RELID <> 'outbox.effects'::regclass THEN
+        RAISE EXCEPTION 'outbox.effects_deleted() serves outbox.effects only';
+    END IF;
     DELETE FROM outbox.effect_keys k USING gone g WHERE k.effect_id = g.id;
     DELETE FROM outbox.attempts a USING gone g WHERE a.effect_id = g.id;
     RETURN NULL;
@@ -55,6 +60,9 @@ _TRUNCATED = """
 CREATE FUNCTION outbox.effects_truncated() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
+    IF TG_RELID <> 'outbox.effects'::regclass THEN
+        RAISE EXCEPTION 'outbox.effects_truncated() serves outbox.effects only';
+    END IF;
     TRUNCATE outbox.effect_keys, outbox.attempts;
     RETURN NULL;
 EXCEPTION WHEN object_in_use THEN
@@ -73,6 +81,12 @@ def upgrade() -> None:
     op.drop_constraint("attempts_effect_id_fkey", "attempts", schema=S, type_="foreignkey")
     op.execute(_FREE)
     op.execute(_TRUNCATED)
+    # EXECUTE is checked when a trigger is created, not when it fires: left to PUBLIC,
+    # any role could hang these owner-privileged functions on a table of its own and
+    # empty the key table (reviewed). Nobody but the owner needs it; the triggers fire
+    # for every role that deletes or truncates effects.
+    op.execute("REVOKE EXECUTE ON FUNCTION outbox.effects_deleted() FROM PUBLIC")
+    op.execute("REVOKE EXECUTE ON FUNCTION outbox.effects_truncated() FROM PUBLIC")
     op.execute("CREATE TRIGGER effects_deleted AFTER DELETE ON outbox.effects"
                " REFERENCING OLD TABLE AS gone FOR EACH STATEMENT"
                " EXECUTE FUNCTION outbox.effects_deleted()")
