@@ -325,7 +325,15 @@ _RECORD = _sql(
            v.http_status, v.error, v.trace_id
       FROM v LEFT JOIN upd ON upd.id = v.id AND upd.token = v.token
      WHERE (upd.id IS NULL OR upd.status <> 'delivered')
-       AND EXISTS (SELECT 1 FROM outbox.effects x WHERE x.id = v.id)
+       -- The effect must still exist. A fenced row (upd.id IS NULL) is checked under
+       -- FOR KEY SHARE: a DELETE of it under way (retention, by hand) is waited for, and
+       -- once it commits the row is gone, so no attempt outlives its effect (migration
+       -- 0008 deletes attempts with their effect, but only those already written).
+       -- The id of a row this statement updated (the live outcome of the same effect in
+       -- the batch) is not locked: a row modified by the same command cannot be.
+       AND (upd.id IS NOT NULL
+            OR EXISTS (SELECT 1 FROM upd u WHERE u.id = v.id)
+            OR EXISTS (SELECT 1 FROM outbox.effects x WHERE x.id = v.id FOR KEY SHARE))
        -- A retried record whose first COMMIT landed (the reply was lost) must not add
        -- a second, spurious lease_lost row for an attempt already recorded. Only a
        -- fenced row (upd.id IS NULL) can be such a repeat: had the first try committed,
