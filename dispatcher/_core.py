@@ -131,7 +131,7 @@ class Dispatcher:
                                  labels=metric_labels)
         self.completer = Completer(engine, worker_id=self.worker_id, clock=clock,
                                    stats=self.stats, target=min(concurrency, max_batch),
-                                   labels=metric_labels)
+                                   labels=metric_labels, keep_for=lease)
         self.completer.on_written = self.wake.set
         self.completer.on_unblocked = self.producer.rescan
         self._pool = SlotPool(concurrency, "outbox-deliver")
@@ -393,7 +393,9 @@ class Dispatcher:
                 if on_tick is not None:
                     on_tick()
         finally:
-            self.completer.stop()
+            # Not final: a Dispatcher outlives its loop (a Celery drain, then the next);
+            # `shutdown` is the final write.
+            self.completer.stop(final=False)
 
     def drain(self, budget: float = 10.0) -> bool:
         """Deliver until nothing is due or `budget` seconds pass.
@@ -424,6 +426,6 @@ class Dispatcher:
             log.warning("released %d in-flight effects at shutdown", len(release))
             if self.slots is not None:
                 self.slots.release()
-        self.flush()
+        self.completer.flush(final=True)  # the last write: nothing is kept past it
         self._pool.shutdown()
         self.executor.stop()

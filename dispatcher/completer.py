@@ -29,10 +29,21 @@ from outbox.sql.dispatch import Outcome
 log = logging.getLogger("outbox.dispatcher")
 
 
+# SQLSTATEs of a connection or a server that went away (class 08; admin, crash and
+# startup shutdowns), and of a failover that left us on a read-only standby: the same
+# statement succeeds once the database answers again. Not a statement timeout, a lock
+# timeout, a full disk: those are OperationalErrors too, but may fail every time.
+_GONE = ("57P01", "57P02", "57P03", "25006")
+
+
 def _connection_lost(exc: DBAPIError) -> bool:
     """A failure of the connection, not of the statement: worth writing again later."""
-    return bool(exc.connection_invalidated) or isinstance(
-        exc, OperationalError | InterfaceError)
+    if exc.connection_invalidated:
+        return True
+    code = getattr(exc.orig, "sqlstate", None)
+    if code is None:  # no server answer at all (closed, reset, silent: SilentConnection)
+        return isinstance(exc, OperationalError | InterfaceError)
+    return code.startswith("08") or code in _GONE
 
 # How long the background writer waits for a fuller batch (seconds): the price in
 # `delivered_at` latency of writing one statement per batch instead of per effect.
@@ -56,7 +67,10 @@ class Completer:
     """Records finished attempts in batches, fenced by lease token."""
 
     def __init__(self, engine: Engine, *, worker_id: str, clock: Clock, stats: Stats,
-                 target: int = 1, labels: Mapping[str, str] | None = None) -> None:
+                 target: int = 1, labels: Mapping[str, str] | None = None,
+                 keep_for: float = 30.0) -> None:
+        """`keep_for`: how long outcomes a lost connection kept from the database are
+        kept for another try (the lease: after it the effects are redelivered anyway)."""
         self.conn = HeldConnection(engine)
         self.labels = dict(labels or {})  # added to `outbox.deliveries` (`db`)
         # The background writer waits up to LINGER for `target` outcomes: a statement
@@ -76,6 +90,9 @@ class Completer:
         self._thread: threading.Thread | None = None
         self._writing = 0                 # flushes under way
         self.on_written: Callable[[], None] | None = None  # after each background flush
+        self.keep_for = keep_for
+        self._kept_since: float | None = None  # the first failed write of kept outcomes
+        self._final = True                     # the writer's last flush drops on failure
 
     def add(self, outcome: Outcome) -> None:
         with self._lock:
@@ -89,8 +106,11 @@ class Completer:
         """Outcomes queued or being written."""
         return len(self.pending) + self._writing
 
-    def flush(self) -> dict[int, str]:
-        """Record every queued outcome in one statement; returns what was recorded."""
+    def flush(self, *, final: bool = False) -> dict[int, str]:
+        """Record every queued outcome in one statement; returns what was recorded.
+
+        `final` (the process is stopping): a batch the database does not take is
+        dropped, not kept (its effects are redelivered after their leases)."""
         with self._lock:
             batch, self.pending = self.pending, []
             if not batch:
@@ -100,26 +120,32 @@ class Completer:
             try:
                 recorded = self._record(batch)
             except DBAPIError as exc:
-                if _connection_lost(exc) and not self._stopping:
+                now = time.monotonic()
+                since = now if self._kept_since is None else self._kept_since
+                if not final and _connection_lost(exc) and now - since < self.keep_for:
+                    self._kept_since = since
                     # The database did not answer for db_retry's whole budget (a
                     # failover, a partition). The outcomes are kept, first in line, and
                     # written when it answers: each is still fenced by its lease token,
                     # so one whose lease expired and was taken meanwhile is recorded as
                     # lease_lost. Dropped, each effect was delivered again after its
                     # lease, and one on its last attempt was dead-lettered although it
-                    # had been delivered. The kept backlog stops the claims (`_free`).
+                    # had been delivered. The kept backlog stops the claims (`_free`);
+                    # past `keep_for` (the lease) they are dropped as before.
                     with self._lock:
                         self.pending[:0] = batch
                     log.warning("could not record %d outcomes (%s); kept, to be written "
                                 "when the database answers", len(batch),
                                 str(exc.orig or exc).splitlines()[0][:200])
                     return {}
+                self._kept_since = None
                 log.exception("could not record %d outcomes; their leases will expire and "
                               "the effects will be redelivered with the same keys",
                               len(batch))
                 return {}
             with self._lock:
                 self.stats.add(recorded)
+            self._kept_since = None
         finally:
             with self._lock:
                 self._writing -= len(batch)
@@ -174,7 +200,7 @@ class Completer:
                 self._full.clear()
             if self.pending:
                 try:
-                    self.flush()
+                    self.flush(final=self._stopping and self._final)
                 except Exception:  # never let the writer die: the loop flushes at its end
                     log.exception("outcome writer failed")
                 if self.on_written is not None:  # a written head frees its key's next
@@ -182,12 +208,16 @@ class Completer:
             if self._stopping:
                 return
 
-    def stop(self) -> None:
-        """Stop the background writer after it wrote what it had, then flush the rest."""
+    def stop(self, *, final: bool = True) -> None:
+        """Stop the background writer after it wrote what it had, then flush the rest.
+
+        `final=False` (a loop that ends while its Dispatcher lives on: a Celery drain):
+        what a lost connection kept is kept for the next loop."""
         thread = self._thread
+        self._final = final
         if thread is not None:
             self._stopping = True
             self._kick.set()
             thread.join()
             self._thread = None
-        self.flush()
+        self.flush(final=final)

@@ -747,17 +747,22 @@ def test_outcomes_the_database_did_not_take_are_kept_and_written_when_it_answers
     """A record that failed for db_retry's whole budget (a failover, a partition) used to
     drop its batch: every effect in it was delivered again once its lease expired, and
     one on its last attempt was dead-lettered (`failed`) although it had been delivered.
-    A connection failure now keeps the outcomes, first in line, for the next write; a
-    statement the database refuses is still dropped (it would fail every time)."""
+    A lost connection now keeps the outcomes, first in line, for the next write (until
+    the lease). Dropped as before: a statement that may fail every time (a statement
+    timeout, a refused value), and any failure of the final write (shutdown)."""
     from sqlalchemy.exc import DataError
 
     add_effects(engine, ["kept-1", "kept-2"], kind="noop", max_attempts=1)
-    add_effects(engine, ["refused"], kind="noop")
-    d = Dispatcher(engine, _noop_registry(), concurrency=4)
+    add_effects(engine, ["timed-out", "refused", "at-shutdown"], kind="noop")
+    d = Dispatcher(engine, _noop_registry(), concurrency=8)
     real = d.completer._record
+    lost = OperationalError("record", {}, psycopg.OperationalError("server closed the "
+                                                                   "connection"))
     failures: list[BaseException] = [
-        OperationalError("record", {}, Exception("server closed the connection")),
-        DataError("record", {}, Exception("invalid input")),
+        lost,
+        OperationalError("record", {}, psycopg.errors.QueryCanceled("statement timeout")),
+        DataError("record", {}, psycopg.errors.InvalidTextRepresentation("bad input")),
+        lost,
     ]
 
     def flaky(batch: list[sql.Outcome]) -> dict[int, str]:
@@ -766,16 +771,23 @@ def test_outcomes_the_database_did_not_take_are_kept_and_written_when_it_answers
         return real(batch)
 
     d.completer._record = flaky  # type: ignore[method-assign]
+    by_key = {}
     try:
-        assert d.fill() == 3
-        wait_until(lambda: len(d._done) == 3, 5)
-        refused = next(o for o in d._done if o.effect_id == effect_row(engine, "refused").id)
-        d.completer.pending.remove(refused)
-        assert d.flush() == {} and len(d._done) == 2  # not taken, and kept
-        kept = list(d.completer.pending)
-        d.completer.pending[:] = [refused]
-        assert d.flush() == {} and d._done == []  # a refused statement: dropped
-        d.completer.pending[:] = kept
+        assert d.fill() == 5
+        wait_until(lambda: len(d._done) == 5, 5)
+        by_key = {effect_row(engine, k).id: k for k in
+                  ("kept-1", "kept-2", "timed-out", "refused", "at-shutdown")}
+        outcomes = {by_key[o.effect_id]: o for o in d._done}
+        completer = d.completer  # (flush swaps its `pending` list: set it each time)
+        completer.pending = [outcomes["kept-1"], outcomes["kept-2"]]
+        assert d.flush() == {} and len(d._done) == 2  # a lost connection: kept
+        kept = completer.pending
+        for key in ("timed-out", "refused"):  # may fail every time: dropped
+            completer.pending = [outcomes[key]]
+            assert d.flush() == {} and d._done == []
+        completer.pending = [outcomes["at-shutdown"]]
+        assert completer.flush(final=True) == {} and d._done == []  # the last write
+        completer.pending = kept
     finally:
         d.shutdown(0)
     # The kept ones were written by the shutdown's flush, each once, as delivered.
@@ -783,7 +795,8 @@ def test_outcomes_the_database_did_not_take_are_kept_and_written_when_it_answers
         row = effect_row(engine, key)
         assert (row.status, row.attempts) == ("delivered", 1), key
         assert [a.outcome for a in attempts_of(engine, row.id)] == ["delivered"]
-    assert effect_row(engine, "refused").status == "in_flight"  # its lease will expire
+    for key in ("timed-out", "refused", "at-shutdown"):  # their leases will expire
+        assert effect_row(engine, key).status == "in_flight", key
 
 
 def test_run_survives_database_errors_while_claiming(engine: Engine,
