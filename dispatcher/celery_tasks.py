@@ -73,6 +73,8 @@ def _full_scan_every(environ: Any) -> float:
 
 
 FULL_SCAN = _full_scan_every(os.environ)
+# The longest a sweep skips a database it could not reach (seconds).
+SWEEP_BACKOFF_MAX = 60.0
 # The retention runs a sweep starts (one thread per database and process, see
 # run_sweep) end with the process: never set.
 _RETENTION_STOP = threading.Event()
@@ -229,16 +231,22 @@ class OutboxTasks:
     #: OUTBOX_DATABASES (or `register(databases=...)`): every database these workers
     #: serve, each drained by messages that name it; None: DATABASE_URL alone.
     databases: list[DatabaseSpec] | None = None
+    # A database the sweep could not reach is skipped until then (monotonic), the wait
+    # doubling from 5 s up to SWEEP_BACKOFF_MAX while it stays down (per process).
+    _down_until: dict[str, float] = field(default_factory=dict)
+    _down_for: dict[str, float] = field(default_factory=dict)
 
     def _route(self) -> dict[str, Any]:
         return {"queue": self.queue_name} if self.queue_name else {}
 
     def _spec(self, name: str | None) -> DatabaseSpec | None:
-        if not self.databases or name is None:
+        if name is None:
             return None
-        for spec in self.databases:
+        for spec in self.databases or ():
             if spec.name == name:
                 return spec
+        # Reviewed: a worker serving DATABASE_URL alone drained its own database for a
+        # message meant for another one, and re-armed under that name.
         raise ConfigurationError(f"no database named {name!r} in OUTBOX_DATABASES")
 
     def _targets(self) -> list[DatabaseSpec | None]:
@@ -350,6 +358,8 @@ class OutboxTasks:
         retention: list[str] = []
         for spec in self._targets():
             name = spec.name if spec else None
+            if name is not None and time.monotonic() < self._down_until.get(name, 0.0):
+                continue  # failed lately: its connect timeout must not hold every sweep
             try:
                 engine = self.dispatcher_for(queue or "default", database=spec).engine
                 dead += len(sweep_leases(engine))
@@ -359,9 +369,14 @@ class OutboxTasks:
             except DBAPIError as exc:  # one database down must not stop the others'
                 if spec is None:
                     raise
-                log.warning("sweep: database %s unreachable (%s)", name,
-                            str(exc).splitlines()[0][:200])
+                wait = min(SWEEP_BACKOFF_MAX, 2 * self._down_for.get(spec.name, 2.5))
+                self._down_for[spec.name] = wait
+                self._down_until[spec.name] = time.monotonic() + wait
+                log.warning("sweep: database %s unreachable (%s); skipped for %.0f s",
+                            spec.name,
+                            str(exc).splitlines()[0][:200], wait)
                 continue
+            self._down_for.pop(name or "", None)
             for q in due:
                 self.send_drain(q, kick=False, database=name)
             rung += [q if name is None else f"{name}/{q}" for q in due]

@@ -83,8 +83,44 @@ def test_the_doorbell_rings_the_database_the_rows_were_committed_to(
     assert tasks.run_drain("q3", True) == {"claimed": 0, "more": False, "rearmed_in": None,
                                            "fanned_out": ["a", "b"]}
     assert sent[1:] == [{"kick": True, "database": "a"}, {"kick": True, "database": "b"}]
-    # A message for a database no longer served is dropped with a warning, not retried.
+    # A message for a database no longer served is dropped with a warning, not retried;
+    # so is one naming a database at a worker that serves DATABASE_URL alone (it used
+    # to drain its own database instead, and re-arm under the other's name).
     assert tasks.run_drain("q3", False, "gone")["unknown"] == "gone"
+    single = _producer("unused", [])
+    assert single.databases is None
+    assert single.run_drain("q3", False, "a")["unknown"] == "a"
+
+
+def test_the_sweep_skips_a_database_it_could_not_reach_for_a_while(server: Server) -> None:
+    """Reviewed: the sweep visits the databases one after another, so one that does not
+    answer cost its connect timeout on every sweep (every 5 s). After a failure it is
+    skipped for 5 s, then 10, 20, ... up to a minute; the others are swept as usual."""
+    import functools
+
+    from dispatcher.celery_tasks import dispatcher_for
+
+    a, down = server.db("a"), server.db("c", create=False)
+    tasks = _producer("unused", [a.arg(), down.arg()])
+    sent: list[dict[str, Any]] = []
+    tasks.drain.apply_async = lambda *args, **kw: sent.append(kw["kwargs"])
+    cache: dict[tuple[int, str, str], Any] = {}
+    tasks.dispatcher_for = functools.partial(dispatcher_for, cache=cache,
+                                             gauges=lambda *_, **__: None)
+    add_effects(a.engine, ["swept"], queue="sweep-q")
+    try:
+        first = tasks.run_sweep(None)
+        assert first["rung"] == ["a/sweep-q"] and tasks._down_for == {"c": 5.0}
+        second = tasks.run_sweep(None)  # within 5 s: c is not tried again
+        assert second["rung"] == ["a/sweep-q"] and tasks._down_for == {"c": 5.0}
+        tasks._down_until["c"] = 0.0  # its wait is over: tried, still down, 10 s now
+        tasks.run_sweep(None)
+        assert tasks._down_for == {"c": 10.0}
+        assert sent.count({"kick": False, "database": "a"}) == 3
+    finally:
+        for d in cache.values():
+            d.shutdown(0)
+            d.engine.dispose()
 
 
 def test_a_bad_databases_entry_is_a_configuration_error(server: Server) -> None:
@@ -102,20 +138,23 @@ def test_celery_workers_serve_two_databases_exactly_once(
     down = server.db("c", create=False)  # never created: every connection fails
     databases = [a.arg(), b.arg(), down.arg()]
     celery_queue = f"outbox-fleet-{uuid.uuid4().hex[:8]}"
+    # Lost doorbells: rows nobody rang for, committed before the worker starts; only
+    # each database's sweep (the one a worker sends itself at start) finds them.
+    lost_a, lost_b = keys("a-lost", 20), keys("b-lost", 20)
+    add_effects(a.engine, lost_a, kind="psp.charge")
+    add_effects(b.engine, lost_b, kind="psp.charge")
+    # No periodic sweep after that one: what is rung later is delivered by its doorbell
+    # alone, so a doorbell rung at the wrong database would leave its rows undelivered.
     worker = procs.celery_app_worker(
         "fleet-celery", ["-c", "2", "--loglevel", "INFO",
                          "-n", f"fleet-{uuid.uuid4().hex[:6]}@%h"],
         queue=celery_queue, broker=REDIS_URL,
-        env={"OUTBOX_DATABASES": " ".join(databases),
+        env={"OUTBOX_DATABASES": " ".join(databases), "OUTBOX_SWEEP_INTERVAL": "3600",
              "OUTBOX_HANDLERS": "tests.fleet_handlers:registry"})
     wait_until(lambda: " ready." in worker.tail(400) or not worker.alive(), 60,
                interval=0.2, message="the worker ready")
     assert worker.alive(), worker.tail()
 
-    # Lost doorbells: rows nobody rang for; only each database's sweep finds them.
-    lost_a, lost_b = keys("a-lost", 20), keys("b-lost", 20)
-    add_effects(a.engine, lost_a, kind="psp.charge")
-    add_effects(b.engine, lost_b, kind="psp.charge")
     # Rung: the producer's doorbell names each one's database.
     tasks = _producer(celery_queue, databases)
     tasks.install_doorbell()
