@@ -168,7 +168,8 @@ def databases_from(flags: Sequence[str] | None,
     raw = environ.get(DATABASES_ENV, "").strip()
     if not raw:
         return None
-    items = [v for v in _ENTRY_SEPARATOR.split(raw) if v]
+    # A trailing comma (`a=postgresql://h/x,`) ends the list; it is not part of a URL.
+    items = [v for v in _ENTRY_SEPARATOR.split(raw.rstrip(", \t\n")) if v]
     return parse_databases([(f"{DATABASES_ENV} entry {i}", v)
                             for i, v in enumerate(items, 1)])
 

@@ -887,6 +887,24 @@ def test_importing_the_app_never_imports_the_dispatcher(db_url: str) -> None:
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_outbox_worker_defaults_are_the_dispatchers() -> None:
+    """`manage.py outbox_worker` cannot import the dispatcher's constants (outbox/ never
+    imports dispatcher/): its defaults are copies, kept equal here."""
+    import argparse
+
+    from dispatcher.cli import build_parser
+    from dispatcher.producer import FULL_SCAN_EVERY
+    from outbox.contrib.django.management.commands.outbox_worker import Command
+
+    parser = argparse.ArgumentParser()
+    Command().add_arguments(parser)
+    ours = vars(parser.parse_args([]))
+    cli = vars(build_parser().parse_args(["worker"]))
+    assert ours["full_scan_every"] == FULL_SCAN_EVERY == cli["full_scan_every"]
+    for name in ("concurrency", "queue", "lease", "poll", "grace"):
+        assert ours[name] == cli[name], name
+
+
 def test_the_docs_example_runs_as_written(dj: Engine) -> None:
     """docs/django.md's first Python block: a DRF view, served by the test client."""
     from django.urls import clear_url_caches, path

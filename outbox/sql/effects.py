@@ -268,8 +268,9 @@ def cancel(conn: Connection, ids: Sequence[int], now: datetime | None = None) ->
 # The status test is repeated on the DELETE itself: READ COMMITTED re-checks only the
 # DELETE's own WHERE on a row changed since the snapshot, so an `outbox retry` of a
 # cancelled effect committed meanwhile (now pending) must fail it, not be deleted.
-# The effects' keys go with them (outbox.effect_keys, ON DELETE CASCADE, migration
-# 0007): the key may be enqueued again afterwards, as before (a new effect).
+# The effects' keys and attempts go with them (the statement-level trigger of migration
+# 0008, one set-based DELETE each): the key may be enqueued again afterwards, as before
+# (a new effect).
 _PURGE_FINISHED = text(
     f"""
     DELETE FROM outbox.effects
@@ -287,7 +288,7 @@ _PURGE_FINISHED = text(
 
 def purge_finished_effects(conn: Connection, older_than_seconds: float, batch: int,
                            now: datetime | None = None) -> int:
-    """Delete up to `batch` delivered/cancelled effects (and, by cascade, attempts).
+    """Delete up to `batch` delivered/cancelled effects (their keys and attempts with them).
 
     Dead letters are kept: they are evidence until an operator retries or cancels them.
     """

@@ -31,6 +31,8 @@ class Command(BaseCommand):
                                  "$OUTBOX_HANDLERS, then the payments example)")
         parser.add_argument("--name", default=None,
                             help="application_name for pg_stat_activity")
+        # The default is dispatcher.producer.FULL_SCAN_EVERY's (outbox/ does not import
+        # dispatcher/); tests/test_django.py checks that the two agree.
         parser.add_argument("--full-scan-every", type=float, default=2.0,
                             metavar="SECONDS",
                             help="under a full backlog, claim from the head of the queue "
