@@ -106,3 +106,50 @@ def test_key_state_machine_checks(engine: Engine, sql: str) -> None:
     assert {s.value for s in KeyStatus} == {"processing", "completed"}
     with pytest.raises(IntegrityError), engine.begin() as conn:
         conn.execute(text(sql))
+
+
+def test_0008_triggers_and_its_downgrade_round_trip(db_url: str) -> None:
+    """`alembic check` cannot see triggers: here, on a scratch database, head has the two
+    cascade triggers and no foreign key to effects; downgrading to 0007 brings the
+    foreign keys back (after deleting rows a missing effect orphaned) and removes the
+    triggers; upgrading again restores head, which still matches the models."""
+    from sqlalchemy import create_engine, make_url
+    from sqlalchemy.pool import NullPool
+
+    from outbox._migrate import upgrade
+
+    base = make_url(db_url)
+    name = f"outbox_rt_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT",
+                          poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = base.set(database=name).render_as_string(hide_password=False)
+    scratch = create_engine(url, poolclass=NullPool)
+
+    def state() -> tuple[list[str], list[str]]:
+        with scratch.connect() as conn:
+            triggers = conn.execute(text(
+                "SELECT tgname FROM pg_trigger WHERE tgrelid = 'outbox.effects'::regclass"
+                " AND NOT tgisinternal ORDER BY tgname")).scalars().all()
+            fks = conn.execute(text(
+                "SELECT conname FROM pg_constraint WHERE contype = 'f'"
+                " AND confrelid = 'outbox.effects'::regclass ORDER BY conname")
+            ).scalars().all()
+        return list(triggers), list(fks)
+
+    try:
+        upgrade(url)
+        assert state() == (["effects_deleted", "effects_truncated"], [])
+        with scratch.begin() as conn:  # a key whose effect is gone (written by hand)
+            conn.execute(text("INSERT INTO outbox.effect_keys VALUES ('orphan', 999)"))
+        command.downgrade(alembic_config(url), "0007")
+        assert state() == ([], ["attempts_effect_id_fkey", "effect_keys_effect_id_fkey"])
+        upgrade(url)
+        assert state() == (["effects_deleted", "effects_truncated"], [])
+        command.check(alembic_config(url))
+    finally:
+        scratch.dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
