@@ -167,19 +167,61 @@ def _horizon_warnings(snap: dict[str, Any], database: str | None) -> list[str]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    engine = _engine("status")
+    """DATABASE_URL's outbox; or, with `--database` (or OUTBOX_DATABASES), each of those
+    in turn, as `outbox worker` serves them: one block (or JSON object) per database, and
+    exit 1 if one could not be read (the others are still shown)."""
+    from dispatcher.fleet import databases_from
+
+    specs = databases_from(args.database, os.environ)
+    if specs is None:
+        snap = _status_of(_engine("status"))
+        if args.json:
+            print(json.dumps(snap))
+        else:
+            _print_status(snap)
+        return 0
+    out: dict[str, Any] = {}
+    failed = False
+    for spec in specs:
+        engine = make_engine(spec.url, application_name="outbox-status", pool_size=2,
+                             max_overflow=0)
+        try:
+            out[spec.name] = _status_of(engine, spec.name)
+        except (OutboxError, DBAPIError) as exc:
+            failed = True
+            reason = str(getattr(exc, "orig", None) or exc).splitlines()[0][:200]
+            out[spec.name] = {"error": reason}
+            print(f"outbox: {spec.name}: {reason}", file=sys.stderr)
+        finally:
+            engine.dispose()
+    if args.json:
+        print(json.dumps({"databases": out}))
+    else:
+        for spec in specs:
+            print(f"== {spec.name} ({spec.shown})")
+            if "error" in out[spec.name]:
+                print(f"  unreadable: {out[spec.name]['error']}")
+            else:
+                _print_status(out[spec.name])
+    return 1 if failed else 0
+
+
+def _status_of(engine: Engine, name: str | None = None) -> dict[str, Any]:
+    """One database's snapshot; its warnings (schema, horizon) go to stderr."""
+    prefix = f"{name}: " if name else ""
     current, head = schema_revisions(engine)
     if current is None:
-        raise OutboxError("this database has no outbox schema: run `outbox migrate`")
+        raise OutboxError(f"{prefix}this database has no outbox schema: run `outbox migrate`")
     if current != head:
-        print(f"outbox: warning: the schema is at {current}, the code expects {head}: "
-              "run `outbox migrate`", file=sys.stderr)
+        print(f"outbox: warning: {prefix}the schema is at {current}, the code expects "
+              f"{head}: run `outbox migrate`", file=sys.stderr)
     snap = status_snapshot(engine)
     for warning in _horizon_warnings(snap, engine.url.database):
-        print(f"outbox: warning: {warning}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(snap))
-        return 0
+        print(f"outbox: warning: {prefix}{warning}", file=sys.stderr)
+    return snap
+
+
+def _print_status(snap: dict[str, Any]) -> None:
     print("effects")
     for s in STATUSES:
         print(f"  {s:<13}{snap[s]:>10}")
@@ -199,7 +241,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         for b in snap["blocked_ordering_keys"]:
             print(f"  {b['ordering_key']}: #{b['head_id']} {b['status']} "
                   f"after {b['attempts']} attempts: {b['last_error'] or ''}")
-    return 0
 
 
 def _redacted(text: str | None) -> str | None:
@@ -596,6 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="effects by status, health, blocked keys")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--database", action="append", metavar="[NAME=]URL",
+                   help="report this outbox database (repeatable, as for `worker`; "
+                        "replaces $OUTBOX_DATABASES; without either, $DATABASE_URL)")
     s.set_defaults(fn=cmd_status)
 
     ls = sub.add_parser("list", help="effects by status, kind, queue and age, newest first")

@@ -683,3 +683,26 @@ def test_sigterm_releases_leases_in_every_database(
     log = worker.log.read_text()
     assert "[a] released" in log and "[b] released" in log
 
+
+
+def test_status_reports_each_database_and_one_it_cannot_read(
+        server: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    """`outbox status --database a=... --database c=...`: one block (or JSON object)
+    per database, as the fleet serves them; one that cannot be read is named, the
+    others still shown, and the exit status is 1 (a monitor notices)."""
+    import json
+
+    a, b = server.db("a"), server.db("b")
+    down = server.db("c", create=False)
+    add_effects(a.engine, keys("status-a", 3))
+    add_effects(b.engine, keys("status-b", 1))
+    assert cli.main(["status", "--json", "--database", a.arg(), "--database", b.arg(),
+                     "--database", down.arg()]) == 1
+    out = capsys.readouterr()
+    got = json.loads(out.out)["databases"]
+    assert (got["a"]["pending"], got["b"]["pending"]) == (3, 1)
+    assert "error" in got["c"] and "c:" in out.err
+    assert SECRET not in out.out + out.err
+    assert cli.main(["status", "--database", a.arg(), "--database", b.arg()]) == 0
+    text_ = capsys.readouterr().out
+    assert text_.index("== a (") < text_.index("== b (") and SECRET not in text_
