@@ -178,6 +178,22 @@ def _on_worker_process_init(**_: Any) -> None:
 signals.worker_process_init.connect(_on_worker_process_init, weak=False)
 
 
+def _on_worker_process_shutdown(**_: Any) -> None:
+    """A child exits (max-tasks-per-child, a warm shutdown): its Dispatchers write what
+    they still hold (outcomes a lost connection kept from the database, released
+    deliveries), a last try before those effects wait for their leases."""
+    with _lock:
+        mine = [d for (pid, *_rest), d in _dispatchers.items() if pid == os.getpid()]
+    for d in mine:
+        try:
+            d.shutdown(0)
+        except Exception:  # never stop a child from exiting
+            log.exception("outbox: a Dispatcher's shutdown failed in the exiting child")
+
+
+signals.worker_process_shutdown.connect(_on_worker_process_shutdown, weak=False)
+
+
 class Rearms:
     """This process's re-armed drains not yet due: one per queue and moment, not N.
 

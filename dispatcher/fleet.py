@@ -168,8 +168,9 @@ def databases_from(flags: Sequence[str] | None,
     raw = environ.get(DATABASES_ENV, "").strip()
     if not raw:
         return None
-    # A trailing comma (`a=postgresql://h/x,`) ends the list; it is not part of a URL.
-    items = [v for v in _ENTRY_SEPARATOR.split(raw.rstrip(", \t\n")) if v]
+    # A trailing comma (`a=postgresql://h/x,`, `x,,b=...`) ends an entry; it is not part
+    # of a URL.
+    items = [v for v in (e.rstrip(",") for e in _ENTRY_SEPARATOR.split(raw)) if v]
     return parse_databases([(f"{DATABASES_ENV} entry {i}", v)
                             for i, v in enumerate(items, 1)])
 

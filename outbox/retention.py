@@ -307,16 +307,20 @@ class RetentionPlan:
         cursor: list[tuple[str, str] | None] = [versions_after]
         steps = self._steps(clock, cursor)
         deleted = {name: 0 for name, _ in steps}
-        # Passes over the classes not yet done, each class getting an even share of
-        # what is left of the budget: time a class leaves unused (most have little to
-        # delete) goes to the next pass, so a busy class (the effects) gets all of it
-        # rather than its first share alone.
+        # Passes over the classes not yet done, each class getting an even quantum of
+        # what is left of the budget at the pass's start: time a class leaves unused
+        # (most have little to delete) goes to the next pass, so a busy class (the
+        # effects) gets most of the budget rather than its first share alone.
         todo = steps
         while todo:
             unfinished: list[tuple[str, Callable[[Connection], tuple[int, bool]]]] = []
-            for i, (name, step) in enumerate(todo):
-                share = None if end is None else \
-                    time.monotonic() + max(0.0, end - time.monotonic()) / (len(todo) - i)
+            # The pass's quantum is fixed at its start: a class that leaves part of its
+            # quantum unused does not hand it to the next class of the same pass (the
+            # last, the versions walk, could take it all), but to the next pass.
+            quantum = None if end is None else max(0.0, end - time.monotonic()) / len(todo)
+            for name, step in todo:
+                share = None if end is None or quantum is None else \
+                    min(time.monotonic() + quantum, end)
                 while True:
                     if stopped():
                         return RetentionRun(deleted, complete=False,

@@ -274,3 +274,23 @@ def test_the_sweep_starts_retention_on_a_thread_and_returns(
     schedule.join(30)
     assert schedule.last is not None and schedule.last.deleted["effects"] == 1
     assert tasks.run_sweep("sweep-retention")["retention_started"] == []  # not due again
+
+
+def test_an_exiting_child_writes_what_its_dispatchers_hold(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefork child that exits (max-tasks-per-child, a warm shutdown) shuts its
+    cached Dispatchers down: outcomes they still hold (kept while the database did not
+    answer, or finished after a drain's last write) are written, not left to the lease."""
+    from dispatcher import celery_tasks
+    from tests.dispatch_support import effect_row
+
+    add_effects(engine, ["child-exit"], kind="noop")
+    registry = Registry()
+    registry.register("noop", lambda effect: None)
+    d = Dispatcher(engine, registry, queue="default", concurrency=2)
+    monkeypatch.setattr(celery_tasks, "_dispatchers", {(os.getpid(), "", "default"): d})
+    assert d.fill() == 1
+    wait_until(lambda: len(d._done) == 1, 5)  # delivered; not written (no loop runs)
+    assert effect_row(engine, "child-exit").status == "in_flight"
+    celery_tasks._on_worker_process_shutdown()
+    assert effect_row(engine, "child-exit").status == "delivered"

@@ -323,32 +323,6 @@ def test_f20_late_record_after_takeover_is_lease_lost_and_changes_nothing(
                                (2, "B", "delivered")]
 
 
-def test_a_late_record_waits_for_a_delete_of_its_effect_and_leaves_no_attempt(
-        engine: Engine) -> None:
-    """Reviewed with migration 0008 (no foreign key any more): a fenced outcome recorded
-    while its effect is being deleted inserted a lease_lost attempt that the delete's
-    trigger (already run) never saw, an attempt outliving its effect. The record now
-    waits for the delete (FOR KEY SHARE) and, once it commits, writes nothing."""
-    [eid] = add_effects(engine, ["deleted-under-record"])
-    t0 = db_now(engine)
-    [a] = claim(engine, owner="A", lease=5, now=t0)
-    [_b] = claim(engine, owner="B", lease=5, now=t0 + timedelta(seconds=6))
-    got: list[dict[int, str]] = []
-    with engine.connect() as deleter:
-        deleter.begin()
-        deleter.execute(text("DELETE FROM outbox.effects WHERE id = :i"), {"i": eid})
-        late = threading.Thread(target=lambda: got.append(record(
-            engine, [outcome_for(a, "delivered", "delivered")], worker="A",
-            now=t0 + timedelta(seconds=6))))
-        late.start()
-        late.join(0.5)
-        assert late.is_alive()  # waiting for the delete
-        deleter.commit()
-    late.join(10)
-    assert got == [{}]
-    assert attempts_of(engine, eid) == []
-
-
 def test_record_outcomes_is_one_statement_per_batch(engine: Engine) -> None:
     ids = add_effects(engine, keys("batch", 50))
     rows = claim(engine, limit=50)

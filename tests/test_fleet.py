@@ -213,8 +213,10 @@ def test_names_urls_and_the_variable() -> None:
     assert commas is not None and [s.name for s in commas] == ["a", "b", "z"]
     assert make_url(commas[0].url).query["host"] == "h1,h2"
     assert make_url(commas[1].url).query["options"] == "-c search_path=p,q"
-    trailing = databases_from(None, {DATABASES_ENV: "postgresql://h/x, postgresql://h/y,"})
-    assert trailing is not None and [s.name for s in trailing] == ["x", "y"]
+    for raw in ("postgresql://h/x, postgresql://h/y,", "postgresql://h/x,,y=postgresql://h/y",
+                "postgresql://h/x, ,y=postgresql://h/y"):
+        trailing = databases_from(None, {DATABASES_ENV: raw})
+        assert trailing is not None and [s.name for s in trailing] == ["x", "y"], raw
     # The flags replace the variable.
     flags = databases_from(["q=postgresql://h/q"], env)
     assert flags is not None and [s.name for s in flags] == ["q"]

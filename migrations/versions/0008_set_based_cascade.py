@@ -9,8 +9,8 @@ Measured on 100k finished effects (PostgreSQL 15, this box): one purge batch of 
 took 1.07-1.22 s with the foreign keys and 0.44-0.57 s with the statement-level
 triggers below.
 
-What replaces them keeps the same guarantee, that a key or an attempt never outlives its
-effect, however the effect goes:
+What replaces them keeps the guarantee that a key never outlives its effect, however the
+effect goes (an attempt neither, with one exception below):
 
 - AFTER DELETE ... FOR EACH STATEMENT with the deleted rows as a transition table: one
   DELETE of their keys and one of their attempts per statement (retention, `outbox
@@ -25,7 +25,11 @@ tables: a role allowed to delete effects need not be allowed to delete keys. So 
 nobody else can use them, EXECUTE is revoked from PUBLIC (PostgreSQL checks it when a
 trigger is created, not when it fires) and each refuses to run for another table.
 The enqueue writes an effect and its key in the same statement (outbox/sql/effects.py),
-so no key is ever written without its effect, and no insert needs a check.
+so no key is ever written without its effect, and no insert needs a check. The one
+attempt that can outlive its effect: a stale worker's lease_lost row, recorded while a
+DELETE of that effect is under way (the record checks the effect exists, without a lock:
+waiting behind an open DELETE would stall the worker's outcomes). It is an audit row of a
+deleted effect; nothing is delivered twice or lost.
 
 Revision ID: 0008
 Revises: 0007

@@ -325,15 +325,13 @@ _RECORD = _sql(
            v.http_status, v.error, v.trace_id
       FROM v LEFT JOIN upd ON upd.id = v.id AND upd.token = v.token
      WHERE (upd.id IS NULL OR upd.status <> 'delivered')
-       -- The effect must still exist. A fenced row (upd.id IS NULL) is checked under
-       -- FOR KEY SHARE: a DELETE of it under way (retention, by hand) is waited for, and
-       -- once it commits the row is gone, so no attempt outlives its effect (migration
-       -- 0008 deletes attempts with their effect, but only those already written).
-       -- The id of a row this statement updated (the live outcome of the same effect in
-       -- the batch) is not locked: a row modified by the same command cannot be.
-       AND (upd.id IS NOT NULL
-            OR EXISTS (SELECT 1 FROM upd u WHERE u.id = v.id)
-            OR EXISTS (SELECT 1 FROM outbox.effects x WHERE x.id = v.id FOR KEY SHARE))
+       -- The effect must still exist. Not under a lock (reviewed): FOR KEY SHARE made a
+       -- record wait behind any open DELETE of a fenced row (a psql session), for as
+       -- long as it stayed open. So a fenced outcome recorded while its effect is being
+       -- deleted may leave its lease_lost row behind: an audit row of a deleted effect,
+       -- nothing delivered or lost (migration 0008's trigger deletes the attempts
+       -- written before the DELETE).
+       AND EXISTS (SELECT 1 FROM outbox.effects x WHERE x.id = v.id)
        -- A retried record whose first COMMIT landed (the reply was lost) must not add
        -- a second, spurious lease_lost row for an attempt already recorded. Only a
        -- fenced row (upd.id IS NULL) can be such a repeat: had the first try committed,
