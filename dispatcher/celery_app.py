@@ -41,7 +41,7 @@ from dispatcher.celery_tasks import (
 )
 from dispatcher.celery_tasks import _dispatchers as _shared_dispatchers
 from dispatcher.celery_tasks import dispatcher_for as _dispatcher_for
-from dispatcher.fleet import DatabaseSpec
+from dispatcher.databases import DatabaseSpec
 from dispatcher.metrics import register_queue_gauges
 from outbox._config import database_url
 

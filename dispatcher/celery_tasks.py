@@ -34,7 +34,8 @@ from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy.exc import DBAPIError
 
 from dispatcher._core import Dispatcher
-from dispatcher.fleet import DatabaseSpec, databases_from, worker_engine
+from dispatcher.databases import DatabaseSpec, databases_from
+from dispatcher.fleet import worker_engine
 from dispatcher.handlers import load_registry
 from dispatcher.metrics import configure_metrics, register_queue_gauges
 from dispatcher.producer import FULL_SCAN_EVERY

@@ -170,7 +170,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """DATABASE_URL's outbox; or, with `--database` (or OUTBOX_DATABASES), each of those
     in turn, as `outbox worker` serves them: one block (or JSON object) per database, and
     exit 1 if one could not be read (the others are still shown)."""
-    from dispatcher.fleet import databases_from
+    from dispatcher.databases import databases_from
 
     specs = databases_from(args.database, os.environ)
     if specs is None:
@@ -497,7 +497,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """DATABASE_URL's database; or, with `--database` (or OUTBOX_DATABASES), each of
     those from this one process, sharing `--concurrency` (dispatcher/fleet.py)."""
     from dispatcher._core import Dispatcher
-    from dispatcher.fleet import databases_from
+    from dispatcher.databases import databases_from
     from dispatcher.handlers import load_registry
     from dispatcher.metrics import configure_metrics, register_queue_gauges
     from dispatcher.worker import run_worker
