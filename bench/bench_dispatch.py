@@ -331,11 +331,13 @@ class Scratch:
 class Child:
     """A worker or client subprocess of this script, driven by JSON lines on stdin."""
 
-    def __init__(self, mode: str, db_url: str, role: str, extra: Sequence[str] = ()) -> None:
+    def __init__(self, mode: str, db_url: str, role: str, extra: Sequence[str] = (),
+                 script: str | Path | None = None) -> None:
+        """`script`: the benchmark whose `mode` the child runs (default: this one)."""
         env = dict(os.environ, DATABASE_URL=db_url, PYTHONPATH=str(ROOT))
         self.role = role
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), mode, *extra],
+            [sys.executable, str(Path(script or __file__).resolve()), mode, *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     @property

@@ -142,12 +142,9 @@ class Worker(bd.Child):
     """bench_dispatch's child, started from this script."""
 
     def __init__(self, db_url: str, full_scan_every: float, batch: int) -> None:
-        env = dict(os.environ, DATABASE_URL=db_url, PYTHONPATH=str(ROOT))
-        self.role = "worker"
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "_worker",
-             "--full-scan-every", str(full_scan_every), "--batch", str(batch)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        super().__init__("_worker", db_url, "worker",
+                         ["--full-scan-every", str(full_scan_every), "--batch", str(batch)],
+                         script=__file__)
 
 
 # --------------------------------------------------------------------------- the run

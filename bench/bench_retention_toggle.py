@@ -93,24 +93,14 @@ def purger_main(argv: Sequence[str]) -> int:
     return 0
 
 
-class Purger(bd.Child):
-    """The purger child, started from this script."""
-
-    def __init__(self, db_url: str, duty: float, batch: int) -> None:
-        env = dict(os.environ, DATABASE_URL=db_url, PYTHONPATH=str(ROOT))
-        self.role = "purge"
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "_purger", str(duty), str(batch)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-
-
 def run_cell(args: argparse.Namespace, scratch: bd.Scratch, duty: float,
              purge_batch: int) -> dict[str, Any]:
     name = f"toggle_duty_{duty:g}_batch_{purge_batch}"
     log(f"{name}: filling ({args.retained} purgeable, {args.pending} pending)")
     bf.reset(scratch, args.pending, args.retained, 48.0)
     worker = bh.Worker(scratch.url, args.full_scan_every, args.batch)
-    purger = Purger(scratch.url, duty, purge_batch)
+    purger = bd.Child("_purger", scratch.url, "purge", [str(duty), str(purge_batch)],
+                      script=__file__)
     assert worker.recv(60).get("ready")
     assert purger.recv(60).get("ready")
     roles = {worker.pid: "worker", purger.pid: "purge"}

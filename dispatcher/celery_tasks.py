@@ -40,7 +40,7 @@ from dispatcher.handlers import load_registry
 from dispatcher.metrics import configure_metrics, register_queue_gauges
 from dispatcher.producer import FULL_SCAN_EVERY
 from dispatcher.worker import sweep as sweep_leases
-from outbox._config import make_engine
+from outbox._config import make_engine, seconds_setting
 from outbox._connections import DEFAULT_WORKER_CALL_TIMEOUT
 from outbox._enqueue import Where, add_doorbell
 from outbox.errors import ConfigurationError
@@ -57,23 +57,10 @@ CONCURRENCY = int(os.environ.get("OUTBOX_CONCURRENCY", "8"))
 LEASE = float(os.environ.get("OUTBOX_LEASE", "30"))
 
 
-def _full_scan_every(environ: Any) -> float:
-    """OUTBOX_FULL_SCAN_EVERY: the producer's full scans under a backlog (seconds, 0:
-    every claim), as `outbox worker --full-scan-every`."""
-    raw = (environ.get("OUTBOX_FULL_SCAN_EVERY") or "").strip()
-    if not raw:
-        return FULL_SCAN_EVERY
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value <= 3600:
-        raise ConfigurationError(f"OUTBOX_FULL_SCAN_EVERY must be seconds between 0 and "
-                                 f"3600, not {raw[:20]!r}")
-    return value
-
-
-FULL_SCAN = _full_scan_every(os.environ)
+# The producer's full scans under a backlog (seconds; 0: every claim), as `outbox worker
+# --full-scan-every`.
+FULL_SCAN = seconds_setting(os.environ, "OUTBOX_FULL_SCAN_EVERY", FULL_SCAN_EVERY,
+                            low=0, high=3600)
 # The longest a sweep skips a database it could not reach (seconds).
 SWEEP_BACKOFF_MAX = 60.0
 # The retention runs a sweep starts (one thread per database and process, see

@@ -46,8 +46,8 @@ from dispatcher.databases import (
 )
 from dispatcher.handlers import Registry
 from dispatcher.producer import FULL_SCAN_EVERY
+from outbox._config import seconds_setting
 from outbox._redact import redact_secrets
-from outbox.errors import ConfigurationError
 
 log = logging.getLogger("outbox.fleet")
 
@@ -56,17 +56,7 @@ RETRY_MAX_ENV = "OUTBOX_DATABASE_RETRY_MAX"
 
 
 def retry_max_from(environ: Mapping[str, str]) -> float:
-    raw = environ.get(RETRY_MAX_ENV, "").strip()
-    if not raw:
-        return 30.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0.1 <= value <= 3600:
-        raise ConfigurationError(f"{RETRY_MAX_ENV} must be seconds between 0.1 and 3600, "
-                                 f"not {raw[:20]!r}")
-    return value
+    return seconds_setting(environ, RETRY_MAX_ENV, 30.0, low=0.1, high=3600)
 
 
 __all__ = ["DATABASES_ENV", "DatabaseSpec", "Fleet", "Settings", "SlotBudget",

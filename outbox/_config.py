@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
@@ -40,6 +42,23 @@ def normalize_url(url: str) -> str:
 
 
 EMBEDDED_ENV = "OUTBOX_EMBEDDED"
+
+
+def seconds_setting(environ: Mapping[str, str], name: str, default: float, *,
+                    low: float, high: float) -> float:
+    """A duration in seconds from `environ[name]` (unset or blank: `default`); a value
+    that is not a number in [low, high] is a ConfigurationError naming the variable."""
+    raw = (environ.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not low <= value <= high:
+        raise ConfigurationError(f"{name} must be seconds between {low:g} and {high:g}, "
+                                 f"not {raw[:20]!r}")
+    return value
 
 
 def embedded_opted_in() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, create_engine, make_url, text
@@ -90,3 +91,16 @@ def psp_process(tmp_path: Path) -> Iterator[ReceiverProcess]:
         yield receiver
     finally:
         receiver.stop()
+
+
+@pytest.fixture
+def server(db_url: str) -> Iterator[Any]:
+    """Fresh, migrated databases on the session's server (`server.db(name)`), dropped
+    after the test (tests/test_fleet.py's Server; fleet and multi-database tests)."""
+    from tests.test_fleet import Server
+
+    s = Server(db_url)
+    try:
+        yield s
+    finally:
+        s.drop_all()

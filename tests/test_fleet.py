@@ -102,15 +102,6 @@ class Server:
 
 
 @pytest.fixture
-def server(db_url: str) -> Iterator[Server]:
-    s = Server(db_url)
-    try:
-        yield s
-    finally:
-        s.drop_all()
-
-
-@pytest.fixture
 def two(server: Server) -> tuple[Db, Db]:
     return server.db("a"), server.db("b")
 

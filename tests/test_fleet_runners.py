@@ -11,9 +11,7 @@ loopback receiver's ledger of applications per key (each key prefixed with its d
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -22,7 +20,6 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import text
 
 from dispatcher.celery_tasks import register
 from dispatcher.examples.payments.psp import ReceiverProcess
@@ -30,24 +27,14 @@ from outbox import enqueue
 from outbox._enqueue import remove_doorbell
 from outbox.errors import ConfigurationError
 from tests.dispatch_support import add_effects, keys, wait_until
-from tests.process_support import Procs, process_group, redis_or_skip
-from tests.test_fleet import Db, Server, check_database
+from tests.process_support import Proc, Procs, process_group, redis_or_skip
+from tests.test_fleet import Db, Server, check_database, delivered
 
 REDIS_URL = "redis://127.0.0.1:6379/11"  # as tests/test_celery_queues.py
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def server(db_url: str) -> Iterator[Server]:
-    s = Server(db_url)
-    try:
-        yield s
-    finally:
-        s.drop_all()
-
-
-@pytest.fixture
-def procs(tmp_path: Path, psp_process: ReceiverProcess, db_url: str) -> Iterator[Procs]:
+def procs(tmp_path: Path, psp_process: ReceiverProcess) -> Iterator[Procs]:
     yield from process_group(tmp_path, psp_process.url, tail=80)
 
 
@@ -164,12 +151,6 @@ def test_celery_workers_serve_two_databases_exactly_once(
         add_effects(b.engine, rung_b, kind="psp.charge", chunk=3)
     finally:
         remove_doorbell(tasks.ring_located)
-
-    def delivered(db: Db) -> int:
-        with db.engine.connect() as conn:
-            return int(conn.execute(text(
-                "SELECT count(*) FROM outbox.effects WHERE status = 'delivered'")
-            ).scalar_one())
     wait_until(lambda: delivered(a) == 50 and delivered(b) == 50, 60, interval=0.2,
                message=lambda: f"a {delivered(a)}/50, b {delivered(b)}/50")
     check_database(a, [*lost_a, *rung_a], single_attempt=True)
@@ -180,55 +161,41 @@ def test_celery_workers_serve_two_databases_exactly_once(
     assert "raised unexpected" not in log, log[-3000:]
 
 
-def _delivered(db: Db) -> int:
-    with db.engine.connect() as conn:
-        return int(conn.execute(text(
-            "SELECT count(*) FROM outbox.effects WHERE status = 'delivered'")).scalar_one())
-
-
-def _manage_py(a: Db, b: Db, *args: str, psp_url: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "DATABASE_URL": a.url, "SECOND_DATABASE_URL": b.url,
-           "PSP_URL": psp_url, "PYTHONPATH": str(ROOT),
-           "DJANGO_SETTINGS_MODULE": "tests.django_two_databases_settings"}
-    env.pop("BROKER_URL", None)
-    return subprocess.Popen([sys.executable, "-m", "django", "outbox_worker", *args],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+def _manage_py(procs: Procs, a: Db, b: Db, *args: str) -> Proc:
+    return procs.spawn(
+        "manage-py", [sys.executable, "-m", "django", "outbox_worker", *args],
+        {"DATABASE_URL": a.url, "SECOND_DATABASE_URL": b.url,
+         "DJANGO_SETTINGS_MODULE": "tests.django_two_databases_settings"})
 
 
 @pytest.mark.slow
 def test_manage_py_outbox_worker_serves_two_aliases_exactly_once(
-        server: Server, psp_process: ReceiverProcess) -> None:
+        server: Server, procs: Procs, psp_process: ReceiverProcess) -> None:
     a, b = server.db("a"), server.db("b")
     on_a, on_b = keys("dj-a", 40), keys("dj-b", 40)
     add_effects(a.engine, on_a, kind="psp.charge", chunk=7)
     add_effects(b.engine, on_b, kind="psp.charge", chunk=7)
-    worker = _manage_py(a, b, "--database", "default", "--database", "second",
+    worker = _manage_py(procs, a, b, "--database", "default", "--database", "second",
                         "--concurrency", "4", "--poll", "0.2", "--full-scan-every", "0.5",
                         "--handlers", "tests.fleet_handlers:registry",
-                        "--name", "django-fleet-test", psp_url=psp_process.url)
+                        "--name", "django-fleet-test")
     try:
-        wait_until(lambda: _delivered(a) == 40 and _delivered(b) == 40, 60, interval=0.2,
-                   message=lambda: f"a {_delivered(a)}/40, b {_delivered(b)}/40")
+        wait_until(lambda: delivered(a) == 40 and delivered(b) == 40, 60, interval=0.2,
+                   message=lambda: f"a {delivered(a)}/40, b {delivered(b)}/40")
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            code = worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            code = worker.wait()
-        output = worker.stdout.read() if worker.stdout else ""
-    assert code == 0, output
+        worker.send(signal.SIGTERM)
+        code = worker.wait(30)  # (the fixture kills what is left)
+    assert code == 0, worker.tail()
     check_database(a, on_a, single_attempt=True)
     check_database(b, on_b, single_attempt=True)
     psp_process.assert_exactly_once([*on_a, *on_b])
 
 
 def test_manage_py_outbox_worker_names_an_unknown_alias_in_one_line(
-        server: Server, psp_process: ReceiverProcess) -> None:
+        server: Server, procs: Procs) -> None:
     a, b = server.db("a", create=False), server.db("b", create=False)
-    worker = _manage_py(a, b, "--database", "default", "--database", "nope",
-                        psp_url=psp_process.url)
-    output, _ = worker.communicate(timeout=60)
-    assert worker.returncode == 1, output
+    worker = _manage_py(procs, a, b, "--database", "default", "--database", "nope")
+    code = worker.wait(60)
+    output = worker.tail(200)
+    assert code == 1, output
     assert "Traceback" not in output and "nope" in output, output
