@@ -223,10 +223,9 @@ def _ring_after_commit(target: Any, queues: set[str]) -> None:
     if hook is None:
         return
     owner, register = hook
-    where = _where(target) if _located else None
     if owner is None:
-        once = set(queues)
-        register(lambda: _ring(once, where))
+        once, at = set(queues), _where(target) if _located else None
+        register(lambda: _ring(once, at))
         return
     with _pending_lock:
         folded = _pending.get(owner)
@@ -235,6 +234,8 @@ def _ring_after_commit(target: Any, queues: set[str]) -> None:
             return
         pending = set(queues)
         _pending[owner] = pending
+    # Where the rows go, once per transaction (not per enqueue call folded into it).
+    where = _where(target) if _located else None
 
     def ring(*_: Any) -> None:
         with _pending_lock:
