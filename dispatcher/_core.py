@@ -18,7 +18,6 @@ outcomes not yet written; a delivery leaves the first and enters the second in o
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -27,7 +26,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,7 +78,6 @@ class _InFlight:
     row: Claimed
     started: float           # time.monotonic() at the claim
     deadline: float          # the attempt's deadline (time.monotonic())
-    future: Future[Outcome] | None = None
     extended_at: float = 0.0
 
 
@@ -134,7 +131,8 @@ class Dispatcher:
                                    labels=metric_labels, keep_for=lease)
         self.completer.on_written = self.wake.set
         self.completer.on_unblocked = self.producer.rescan
-        self._pool = SlotPool(concurrency, "outbox-deliver")
+        self._pool: SlotPool[tuple[Claimed, float]] = SlotPool(
+            concurrency, "outbox-deliver", self._run_one)
         self._lock = threading.Lock()
         self._inflight: dict[int, _InFlight] = {}
         self._last_extend = time.monotonic()
@@ -158,17 +156,27 @@ class Dispatcher:
         """Run the handler for one claimed row (on a pool thread; no DB connection)."""
         return self.executor.execute(row, started_monotonic)
 
-    def _finished(self, row: Claimed, future: Future[Outcome]) -> None:
+    def _run_one(self, task: tuple[Claimed, float]) -> None:
+        """A pool thread's whole job for one row: deliver it, hand the outcome over."""
+        row, started = task
+        result: Outcome | BaseException
+        try:
+            result = self._deliver(row, started)
+        except BaseException as exc:
+            result = exc
+        self._finished(row, result)
+
+    def _finished(self, row: Claimed, result: Outcome | BaseException) -> None:
         """A delivery's outcome leaves `_inflight` for the completer in one step.
 
         One that is no longer in flight under its lease (released at shutdown) is
         dropped: recording it too would double the attempt.
         """
-        try:
-            outcome = future.result()
-        except BaseException as exc:
-            log.exception("delivery of effect %s crashed", row.id)
-            outcome = self.executor.crashed(row, exc)
+        if isinstance(result, BaseException):
+            log.error("delivery of effect %s crashed", row.id, exc_info=result)
+            outcome = self.executor.crashed(row, result)
+        else:
+            outcome = result
         with self._lock:
             item = self._inflight.get(row.id)
             if item is None or item.row.lease_token != row.lease_token:
@@ -270,30 +278,21 @@ class Dispatcher:
             _crashpoint("after_claim")
         self.stats.claimed += len(rows)
         now = time.monotonic()
-        submit, finished = self._pool.submit, self._finished
-        on_loop: list[tuple[Claimed, _InFlight]] = []
         deadline = self.executor.deadline(now)
         items = [_InFlight(row, now, deadline) for row in rows]
         with self._lock:  # one acquisition per claim, before any delivery can end
             for item in items:
                 self._inflight[item.row.id] = item
+        # An async handler's delivery is a task of the event loop (no pool thread waits
+        # for it), all of a claim's started in one hand-off; a sync one runs on a pool
+        # thread, all of a claim's handed over in one step too.
         runs_on_loop = self.executor.runs_on_loop
-        for item in items:
-            row = item.row
-            # An async handler's delivery is a task of the event loop (no pool thread
-            # waits for it), all of a claim's started in one hand-off; a sync one runs
-            # on a pool thread.
-            if runs_on_loop(row.kind):
-                on_loop.append((row, item))
-                continue
-            future = submit(self._deliver, row, now)
-            item.future = future
-            future.add_done_callback(functools.partial(finished, row))
+        on_loop = [row for row in rows if runs_on_loop(row.kind)]
         if on_loop:
-            futures = self.executor.submit_async_many([r for r, _ in on_loop], now)
-            for (row, item), future in zip(on_loop, futures, strict=True):
-                item.future = future
-                future.add_done_callback(functools.partial(finished, row))
+            self.executor.submit_async_many(on_loop, now, self._finished)
+        if len(on_loop) < len(rows):
+            self._pool.put_many([(row, now) for row in rows if not runs_on_loop(row.kind)]
+                                if on_loop else [(row, now) for row in rows])
         return len(rows)
 
     def reap(self) -> int:
@@ -415,6 +414,9 @@ class Dispatcher:
         """Finish in-flight deliveries within `grace` seconds, release the rest."""
         if self._inflight:
             self._loop(claim_until=-math.inf, finish_until=time.monotonic() + grace)
+        # Rows not started yet never will be: dropped from the pool before the release,
+        # so that none starts once released (it would deliver a row that is pending).
+        self._pool.shutdown()
         with self._lock:
             # A delivery that finished meanwhile already left `_inflight` with its real
             # outcome; the rest are released, and their late outcomes dropped.
@@ -427,5 +429,4 @@ class Dispatcher:
             if self.slots is not None:
                 self.slots.release()
         self.completer.flush(final=True)  # the last write: nothing is kept past it
-        self._pool.shutdown()
         self.executor.stop()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
-from dispatcher.producer import HeldConnection, db_retry
+from dispatcher.producer import HeldConnection, retried
 from outbox._idempotency import Clock
 from outbox._schema import AttemptOutcome, EffectStatus
 from outbox._telemetry import deliveries
@@ -150,6 +150,7 @@ class Completer:
             with self._lock:
                 self._writing -= len(batch)
         unblocked = False
+        counted: dict[tuple[str, str, str], int] = {}
         for o in batch:
             got = recorded.get(o.effect_id)
             if got is None:  # recorded by a try whose COMMIT reply was lost
@@ -161,16 +162,20 @@ class Completer:
                     and got != AttemptOutcome.LEASE_LOST
                     and o.next_status == EffectStatus.DELIVERED):
                 unblocked = True
-            deliveries.add(1, {"kind": o.kind, "queue": o.queue, "outcome": got,
-                               **self.labels})
+            counted[(o.kind, o.queue, got)] = counted.get((o.kind, o.queue, got), 0) + 1
+        # One add per (kind, queue, outcome), not per outcome.
+        for (kind, queue, got), n in counted.items():
+            deliveries.add(n, {"kind": kind, "queue": queue, "outcome": got, **self.labels})
         if unblocked and self.on_unblocked is not None:
             self.on_unblocked()
         return recorded
 
-    @db_retry
     def _record(self, batch: list[Outcome]) -> dict[int, str]:
-        with self.conn() as conn:
-            return sql.record_outcomes(conn, batch, self.worker_id, now=self.clock())
+        def write() -> dict[int, str]:
+            with self.conn() as conn:
+                return sql.record_outcomes(conn, batch, self.worker_id, now=self.clock())
+
+        return retried(write)
 
     # -- background writing while a loop runs ------------------------------------------
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import httpx
@@ -165,27 +164,29 @@ def test_huge_retry_after_does_not_drop_the_batch(engine: Engine) -> None:
 
 def test_shutdown_records_an_outcome_whose_callback_ran_late(engine: Engine,
                                                             monkeypatch: Any) -> None:
-    """`Future.done()` turns true before the done-callbacks run. `reap` forgot such a
-    delivery, and `shutdown` (or the end of a Celery `drain`) returned before the
-    callback queued its outcome: a delivered effect stayed in flight until its lease
-    expired and was then delivered again (twice at a retry_safe=False receiver)."""
+    """The handler has returned but its outcome is not handed over yet (the pool
+    thread preempted between the two). `reap` forgot such a delivery, and `shutdown`
+    (or the end of a Celery `drain`) returned before the outcome was queued: a
+    delivered effect stayed in flight until its lease expired and was then delivered
+    again (twice at a retry_safe=False receiver)."""
     [eid] = add_effects(engine, ["late-callback"], kind="gated")
     gate = threading.Event()
     d = Dispatcher(engine, _registry("gated", lambda e: gate.wait(5) and {"ok": True}),
                    concurrency=1)
     original = d._finished
     callback_may_run = threading.Event()
+    returned = threading.Event()
 
-    def slow_finished(row: Any, future: Future[sql.Outcome]) -> None:
-        callback_may_run.wait(5)  # the pool thread preempted right after set_result
-        original(row, future)
+    def slow_finished(row: Any, result: Any) -> None:
+        returned.set()
+        callback_may_run.wait(5)  # the pool thread preempted after the handler returned
+        original(row, result)
 
     monkeypatch.setattr(d, "_finished", slow_finished)
     assert d.fill() == 1
-    item = d._inflight[eid]
-    assert item.future is not None
-    gate.set()  # finishes on the pool thread, after add_done_callback
-    wait_until(item.future.done, 5)
+    assert eid in d._inflight
+    gate.set()  # finishes on the pool thread
+    assert returned.wait(5)
     threading.Timer(0.3, callback_may_run.set).start()
     d.shutdown(grace=3)
     row = effect_row(engine, "late-callback")
