@@ -427,7 +427,7 @@ def worker_main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
     # The engine `outbox worker` makes (dispatcher/cli.py cmd_worker): no pre-ping,
     # the workers' call timeout.
-    engine = make_engine(application_name="bench-worker", pool_size=2, max_overflow=2,
+    engine = make_engine(application_name="bench-worker", pool_size=3, max_overflow=2,
                          pool_pre_ping=False, call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
     _warm(engine)
     latencies: list[float] = []

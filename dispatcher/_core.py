@@ -121,14 +121,19 @@ class Dispatcher:
         self.max_batch = max_batch
         self.stats = Stats()
         self.wake = threading.Event()  # a doorbell: NOTIFY, a freed slot, a written outcome
+        # With more than one slot, the claims and the writes each keep a pooled
+        # connection while a loop runs (idle between statements: never in a
+        # transaction while a handler runs); with one, nothing is held across a call.
+        hold = concurrency > 1
         self.producer = Producer(engine, queue=queue, worker_id=self.worker_id,
-                                 lease=lease, clock=clock, full_scan_every=full_scan_every)
+                                 lease=lease, clock=clock, full_scan_every=full_scan_every,
+                                 hold=hold)
         self.slots = slots
         self.executor = Executor(registry, self.policy, clock, lease, queue,
                                  labels=metric_labels)
         self.completer = Completer(engine, worker_id=self.worker_id, clock=clock,
                                    stats=self.stats, target=min(concurrency, max_batch),
-                                   labels=metric_labels, keep_for=lease)
+                                   labels=metric_labels, keep_for=lease, hold=hold)
         self.completer.on_written = self.wake.set
         self.completer.on_unblocked = self.producer.rescan
         self._pool: SlotPool[tuple[Claimed, float]] = SlotPool(
@@ -395,6 +400,7 @@ class Dispatcher:
             # Not final: a Dispatcher outlives its loop (a Celery drain, then the next);
             # `shutdown` is the final write.
             self.completer.stop(final=False)
+            self.producer.conn.release()
 
     def drain(self, budget: float = 10.0) -> bool:
         """Deliver until nothing is due or `budget` seconds pass.
@@ -429,4 +435,6 @@ class Dispatcher:
             if self.slots is not None:
                 self.slots.release()
         self.completer.flush(final=True)  # the last write: nothing is kept past it
+        self.completer.conn.release()
+        self.producer.conn.release()
         self.executor.stop()

@@ -129,7 +129,7 @@ def dispatcher_for(queue: str, *, database: DatabaseSpec | None = None,
         found = found_cache.get(key)
         if found is None:
             if database is None:
-                engine = make_engine(application_name=SERVICE_NAME, pool_size=2,
+                engine = make_engine(application_name=SERVICE_NAME, pool_size=3,
                                      max_overflow=2, pool_pre_ping=False,  # see cmd_worker
                                      call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
             else:

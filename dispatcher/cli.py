@@ -527,7 +527,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # a pooled connection idle longer than the call timeout is still pinged. The call
     # timeout is the workers' own, tighter one (docs/network.md).
     engine = make_engine(application_name=args.name or "outbox-worker",
-                         pool_size=2, max_overflow=2, pool_pre_ping=False,
+                         pool_size=3, max_overflow=2, pool_pre_ping=False,
                          call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
     # Metrics carry `db`, the database's name, as a worker serving several does.
     db = engine.url.database or "default"

@@ -358,7 +358,7 @@ def worker_engine(spec: DatabaseSpec, application_name: str) -> Engine:
     from outbox._config import make_engine
     from outbox._connections import DEFAULT_WORKER_CALL_TIMEOUT
 
-    return make_engine(spec.url, application_name=application_name, pool_size=2,
+    return make_engine(spec.url, application_name=application_name, pool_size=3,
                        max_overflow=2, pool_pre_ping=False,
                        call_timeout=DEFAULT_WORKER_CALL_TIMEOUT)
 
