@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import psycopg
-from psycopg.rows import namedtuple_row
+from psycopg.rows import namedtuple_row, tuple_row
 from psycopg.types.json import JsonbLoader, JsonLoader
 
 T = TypeVar("T")
@@ -44,17 +44,23 @@ _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 @dataclass(frozen=True, slots=True)
 class Statement:
-    """One SQL statement in psycopg's parameter style."""
+    """One SQL statement in psycopg's parameter style.
+
+    `tuples`: its rows come back as plain tuples, read by position (the dispatcher's hot
+    statements): psycopg builds them in C, where a named tuple costs a row maker and a
+    description per execute and a Python call per row.
+    """
 
     sql: str
+    tuples: bool = False
 
     def __str__(self) -> str:
         return self.sql
 
 
-def sql(text: str) -> Statement:
+def sql(text: str, *, tuples: bool = False) -> Statement:
     """`:name` parameters -> `%(name)s`; literal `%` doubled; `::type` casts kept."""
-    return Statement(_PARAM.sub(r"%(\1)s", text.replace("%", "%%")))
+    return Statement(_PARAM.sub(r"%(\1)s", text.replace("%", "%%")), tuples)
 
 
 class Result:
@@ -117,7 +123,8 @@ class SyncDB:
 
     def execute(self, statement: Statement, params: Mapping[str, Any] | None = None) -> Result:
         try:
-            with self.conn.cursor(row_factory=namedtuple_row) as cur:
+            with self.conn.cursor(row_factory=tuple_row if statement.tuples
+                                  else namedtuple_row) as cur:
                 if self.own_json:
                     cur.adapters.register_loader("json", JsonLoader)
                     cur.adapters.register_loader("jsonb", JsonbLoader)
@@ -212,7 +219,8 @@ class AsyncDB:
     async def execute(self, statement: Statement, params: Mapping[str, Any] | None = None
                       ) -> Result:
         try:
-            async with self.conn.cursor(row_factory=namedtuple_row) as cur:
+            async with self.conn.cursor(row_factory=tuple_row if statement.tuples
+                                        else namedtuple_row) as cur:
                 await cur.execute(statement.sql, params)
                 rows = await cur.fetchall() if cur.description is not None else []
                 return Result(rows, cur.rowcount)

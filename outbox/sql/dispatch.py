@@ -121,7 +121,8 @@ _CLAIM = _sql(
       FROM picked
      WHERE e.id = picked.id
     RETURNING {_CLAIMED_COLUMNS}, e.available_at, picked.fresh
-    """
+    """,
+    tuples=True,
 )
 
 
@@ -194,7 +195,8 @@ _CLAIMED_WITH = _sql(
       FROM outbox.effects e
      WHERE e.status = 'in_flight' AND e.queue = :queue AND e.lease_token = :token
      ORDER BY e.id
-    """
+    """,
+    tuples=True,
 )
 
 
@@ -239,7 +241,8 @@ _EXTEND = _sql(
                   CAST(:secs AS float8[])) AS v(id, token, secs)
      WHERE e.id = v.id AND e.lease_token = v.token
     RETURNING e.id
-    """
+    """,
+    tuples=True,
 )
 
 
@@ -352,7 +355,8 @@ _RECORD = _sql(
     SELECT effect_id, outcome FROM ins
     UNION ALL
     SELECT upd.id, 'delivered' FROM upd WHERE upd.status = 'delivered'
-    """
+    """,
+    tuples=True,
 )
 
 
