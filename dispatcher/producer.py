@@ -175,16 +175,21 @@ class HeldConnection:
             conn.close()
 
     def _take(self) -> SyncDB:
-        held = self._pool_engine.raw_connection()
+        try:
+            held = self._pool_engine.raw_connection()
+        except psycopg.Error as exc:  # unlike connect(), raw_connection() does not wrap
+            raise DBAPIError.instance(None, None, exc, psycopg.Error,
+                                      connection_invalidated=True) from exc
         raw = held.driver_connection
         if not isinstance(raw, psycopg.Connection):
             held.close()
             raise TypeError("outbox needs the psycopg 3 driver (postgresql+psycopg://)")
         try:
             raw.autocommit = True
-        except BaseException:
+        except psycopg.Error as exc:
             held.invalidate()
-            raise
+            raise DBAPIError.instance(None, None, exc, psycopg.Error,
+                                      connection_invalidated=True) from exc
         self._held, self._db = held, SyncDB(raw, functools.partial(_as_dbapi_error, raw))
         return self._db
 
