@@ -297,7 +297,7 @@ _RECORD = _sql(
         UPDATE outbox.effects e
            SET status = v.next_status,
                available_at = CASE WHEN v.next_status = 'pending'
-                                   THEN {_NOW} + make_interval(secs => v.delay)
+                                   THEN {_NOW} + make_interval(secs => coalesce(v.delay, 0))
                                    ELSE e.available_at END,
                lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL,
                delivered_at = CASE WHEN v.next_status = 'delivered' THEN {_NOW} END,
@@ -360,13 +360,28 @@ _RECORD = _sql(
 )
 
 
+def _outcome_json(o: Outcome) -> dict[str, Any]:
+    # Keys left out are NULL to jsonb_to_recordset: a plain delivery sends six of eleven.
+    out: dict[str, Any] = {
+        "id": o.effect_id, "token": str(o.lease_token), "attempt": o.attempt,
+        "outcome": str(o.outcome), "next_status": str(o.next_status),
+        "started_at": o.started_at.isoformat()}
+    if o.delay:
+        out["delay"] = o.delay
+    if o.error is not None:
+        out["error"] = o.error
+    if o.result is not None:
+        out["result"] = o.result
+    if o.http_status is not None:
+        out["http_status"] = o.http_status
+    if o.trace_id is not None:
+        out["trace_id"] = o.trace_id
+    return out
+
+
 def _batch_json(outcomes: Sequence[Outcome]) -> str:
-    return json.dumps([
-        {"id": o.effect_id, "token": str(o.lease_token), "attempt": o.attempt,
-         "outcome": str(o.outcome), "next_status": str(o.next_status), "delay": o.delay,
-         "error": o.error, "result": o.result, "http_status": o.http_status,
-         "started_at": o.started_at.isoformat(), "trace_id": o.trace_id}
-        for o in outcomes], ensure_ascii=False, allow_nan=False)
+    return json.dumps([_outcome_json(o) for o in outcomes], ensure_ascii=False,
+                      allow_nan=False)
 
 
 def record_outcomes(conn: Any, outcomes: Sequence[Outcome], worker: str,
