@@ -121,19 +121,14 @@ class Dispatcher:
         self.max_batch = max_batch
         self.stats = Stats()
         self.wake = threading.Event()  # a doorbell: NOTIFY, a freed slot, a written outcome
-        # With more than one slot, the claims and the writes each keep a pooled
-        # connection while a loop runs (idle between statements: never in a
-        # transaction while a handler runs); with one, nothing is held across a call.
-        hold = concurrency > 1
         self.producer = Producer(engine, queue=queue, worker_id=self.worker_id,
-                                 lease=lease, clock=clock, full_scan_every=full_scan_every,
-                                 hold=hold)
+                                 lease=lease, clock=clock, full_scan_every=full_scan_every)
         self.slots = slots
         self.executor = Executor(registry, self.policy, clock, lease, queue,
                                  labels=metric_labels)
         self.completer = Completer(engine, worker_id=self.worker_id, clock=clock,
                                    stats=self.stats, target=min(concurrency, max_batch),
-                                   labels=metric_labels, keep_for=lease, hold=hold)
+                                   labels=metric_labels, keep_for=lease)
         self.completer.on_written = self.wake.set
         self.completer.on_unblocked = self.producer.rescan
         self._pool: SlotPool[tuple[Claimed, float]] = SlotPool(
@@ -164,6 +159,9 @@ class Dispatcher:
     def _run_one(self, task: tuple[Claimed, float]) -> None:
         """A pool thread's whole job for one row: deliver it, hand the outcome over."""
         row, started = task
+        item = self._inflight.get(row.id)
+        if item is None or item.row.lease_token != row.lease_token:
+            return  # released at shutdown before it started: not delivered at all
         result: Outcome | BaseException
         try:
             result = self._deliver(row, started)
@@ -292,12 +290,17 @@ class Dispatcher:
         # for it), all of a claim's started in one hand-off; a sync one runs on a pool
         # thread, all of a claim's handed over in one step too.
         runs_on_loop = self.executor.runs_on_loop
-        on_loop = [row for row in rows if runs_on_loop(row.kind)]
+        on_loop: list[Claimed] = []
+        on_threads: list[tuple[Claimed, float]] = []
+        for row in rows:  # one pass: each row goes one way, whatever re-registers meanwhile
+            if runs_on_loop(row.kind):
+                on_loop.append(row)
+            else:
+                on_threads.append((row, now))
         if on_loop:
             self.executor.submit_async_many(on_loop, now, self._finished)
-        if len(on_loop) < len(rows):
-            self._pool.put_many([(row, now) for row in rows if not runs_on_loop(row.kind)]
-                                if on_loop else [(row, now) for row in rows])
+        if on_threads:
+            self._pool.put_many(on_threads)
         return len(rows)
 
     def reap(self) -> int:
@@ -337,7 +340,12 @@ class Dispatcher:
         # claim, and no connection is checked out while the handler runs (F12). With
         # more, the completer writes on its own thread, behind the handlers.
         background = self.concurrency > 1
+        # With more than one slot, the claims and the writes each keep a pooled
+        # connection while the loop runs (idle between statements: never in a
+        # transaction while a handler runs); with one, nothing is held across a call.
         if background:
+            self.producer.conn.holding(True)
+            self.completer.conn.holding(True)
             self.completer.start()
         try:
             while True:
@@ -397,10 +405,13 @@ class Dispatcher:
                 if on_tick is not None:
                     on_tick()
         finally:
-            # Not final: a Dispatcher outlives its loop (a Celery drain, then the next);
-            # `shutdown` is the final write.
-            self.completer.stop(final=False)
-            self.producer.conn.release()
+            try:
+                # Not final: a Dispatcher outlives its loop (a Celery drain, then the
+                # next); `shutdown` is the final write.
+                self.completer.stop(final=False)
+            finally:
+                self.completer.conn.holding(False)
+                self.producer.conn.holding(False)
 
     def drain(self, budget: float = 10.0) -> bool:
         """Deliver until nothing is due or `budget` seconds pass.
@@ -420,8 +431,8 @@ class Dispatcher:
         """Finish in-flight deliveries within `grace` seconds, release the rest."""
         if self._inflight:
             self._loop(claim_until=-math.inf, finish_until=time.monotonic() + grace)
-        # Rows not started yet never will be: dropped from the pool before the release,
-        # so that none starts once released (it would deliver a row that is pending).
+        # Rows not started yet never will be: dropped from the pool before the release
+        # (and a thread that took one just before looks again: `_run_one`).
         self._pool.shutdown()
         with self._lock:
             # A delivery that finished meanwhile already left `_inflight` with its real
@@ -435,6 +446,4 @@ class Dispatcher:
             if self.slots is not None:
                 self.slots.release()
         self.completer.flush(final=True)  # the last write: nothing is kept past it
-        self.completer.conn.release()
-        self.producer.conn.release()
         self.executor.stop()

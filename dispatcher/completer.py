@@ -68,11 +68,11 @@ class Completer:
 
     def __init__(self, engine: Engine, *, worker_id: str, clock: Clock, stats: Stats,
                  target: int = 1, labels: Mapping[str, str] | None = None,
-                 keep_for: float = 30.0, hold: bool = False) -> None:
+                 keep_for: float = 30.0) -> None:
         """`keep_for`: how long outcomes a lost connection kept from the database are
         kept for another try (the lease: after it the effects are redelivered anyway).
-        `hold`: keep one pooled connection between writes (`HeldConnection`)."""
-        self.conn = HeldConnection(engine, hold=hold)
+        `conn.holding(True)` keeps one pooled connection between writes (a loop runs)."""
+        self.conn = HeldConnection(engine)
         self.labels = dict(labels or {})  # added to `outbox.deliveries` (`db`)
         # The background writer waits up to LINGER for `target` outcomes: a statement
         # per finished delivery would cost a round trip and a commit each.
@@ -227,7 +227,7 @@ class Completer:
             thread.join()
             self._thread = None
         # The database just failed to take what is kept: another try here would only
-        # add db_retry's 10 s to a shutdown (reviewed: 30-50 s with the database down).
+        # add db_retry's budget (10 s after a first failed try) to a shutdown (reviewed:
+        # 30-50 s with the database down).
         if final or self._kept_since is None:
             self.flush(final=final)
-        self.conn.release()

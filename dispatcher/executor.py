@@ -122,8 +122,10 @@ def _settle(done: Callable[[Claimed, Outcome | BaseException], None], row: Claim
     """Hand an `aexecute` task's end to the dispatcher (on the loop thread)."""
     if task.cancelled():
         done(row, asyncio.CancelledError())
+    elif (exc := task.exception()) is not None:
+        done(row, exc)
     else:
-        done(row, task.exception() or task.result())
+        done(row, task.result())
 
 
 async def _until_deadline(awaitable: Awaitable[Any], deadline: float) -> Any:

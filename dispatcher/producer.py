@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -71,7 +72,8 @@ db_retry = retry(
 def retried(fn: Callable[[], R]) -> R:
     """`fn()`, and after a DBAPIError again under `db_retry`. The first try runs bare:
     tenacity's per-call setup (a copy of the Retrying and its state) cost the loop a
-    few percent of its time on the path where nothing fails."""
+    few percent of its time on the path where nothing fails. The retry budget counts
+    from the first retry: a silent connection adds its call timeout to it."""
     try:
         return fn()
     except DBAPIError:
@@ -138,10 +140,11 @@ class HeldConnection:
         self._held: Any = None        # the pool's proxy of the held connection
         self._db: SyncDB | None = None
         self._used = 0.0              # time.monotonic() at the end of its last statement
+        self._record: Any = None      # the pool's record of the held connection
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[Any]:
-        if not self.hold:
+        if not self.hold and self._db is None:
             with self._checkout() as conn:
                 yield conn
             return
@@ -155,7 +158,10 @@ class HeldConnection:
             try:
                 yield db
             except BaseException:
-                if db.conn.closed or db.conn.broken:
+                # Broken, or left mid-statement or in a transaction (an exception raised
+                # into a running statement: a Celery soft time limit): not reusable.
+                if (db.conn.closed or db.conn.broken
+                        or db.conn.info.transaction_status != TransactionStatus.IDLE):
                     self._drop(invalidate=True)
                 raise
             finally:
@@ -191,6 +197,7 @@ class HeldConnection:
             raise DBAPIError.instance(None, None, exc, psycopg.Error,
                                       connection_invalidated=True) from exc
         self._held, self._db = held, SyncDB(raw, functools.partial(_as_dbapi_error, raw))
+        self._record = getattr(held, "_connection_record", None)
         return self._db
 
     def _drop(self, *, invalidate: bool) -> None:
@@ -203,6 +210,11 @@ class HeldConnection:
                 return
             held.driver_connection.autocommit = False  # as the pool's other users expect
             held.close()
+            # Idle since its last statement, not since now: the pool's check at the next
+            # checkout (`ping_when_idle`) must count the time it was held unused.
+            record, self._record = self._record, None
+            if record is not None and "outbox_idle_since" in record.info:
+                record.info["outbox_idle_since"] = self._used
         except Exception:
             with contextlib.suppress(Exception):
                 held.invalidate()
@@ -211,6 +223,14 @@ class HeldConnection:
         """Give the held connection back to the pool (the end of a loop)."""
         with self._lock:
             self._drop(invalidate=False)
+
+    def holding(self, on: bool) -> None:
+        """Hold a connection between statements from now on (a loop starts), or stop
+        and give it back (it ended): `fill()`/`reap()` driven by hand hold none."""
+        with self._lock:
+            self.hold = on
+            if not on:
+                self._drop(invalidate=False)
 
 
 def _as_dbapi_error(raw: psycopg.Connection[Any], exc: Exception) -> Exception:
@@ -228,12 +248,10 @@ class Producer:
     """
 
     def __init__(self, engine: Engine, *, queue: str, worker_id: str, lease: float,
-                 clock: Clock, full_scan_every: float = FULL_SCAN_EVERY,
-                 hold: bool = False) -> None:
-        """`hold`: keep one pooled connection between claims (`HeldConnection`)."""
+                 clock: Clock, full_scan_every: float = FULL_SCAN_EVERY) -> None:
         if not full_scan_every >= 0:  # NaN too
             raise ValueError("full_scan_every must be >= 0")
-        self.conn = HeldConnection(engine, hold=hold)
+        self.conn = HeldConnection(engine)  # held while a loop runs (`holding`)
         self.queue = queue
         self.worker_id = worker_id
         self.lease = lease
