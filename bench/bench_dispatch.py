@@ -29,6 +29,8 @@ Sections
            from a copy of ../shared/bench with its venv ($PEER_BENCH, default
            /tmp/peer-bench; see its README), interleaved with ours in this run; the
            summary line then carries the ratios ours / ceiling and ours / pgqueuer.
+           With `enqueue` too, the enqueue ceiling (pgbench_outbox.py enqueue, at each
+           --clients) and the ratios enqueue_Nc_vs_ceiling.
 
 Database: $DATABASE_URL's server, or the embedded one (outbox._config.database_url()).
 A scratch database `bench_outbox` is created (migrated with the project's Alembic
@@ -773,6 +775,14 @@ class Bench:
             return
         dur = str(max(3, int(self.args.duration)))
         runs = str(self.args.runs)
+        if any(r["section"] == "enqueue" for r in self.results):
+            # The enqueue ceiling: BEGIN; INSERT business row; INSERT outbox row; COMMIT
+            # from pgbench, at each client count of ours.
+            for clients in self.args.clients:
+                self._peer(py, home, ["pgbench_outbox.py", "enqueue", "--clients",
+                                      str(clients), "--duration", dur, "--runs", runs],
+                           {"peer": "ceiling_enqueue", "batch": None, "clients": clients},
+                           "rows_per_s_median")
         for batch in self.args.batches:
             if batch == 1:
                 continue
@@ -830,7 +840,8 @@ class Bench:
         if peers:
             ours = {(r["workers"], r["batch"]): r["rate_median"]
                     for r in work if r["handler"] == "noop"}
-            out["peer_rates"] = {f"{p}_B{b}_c{c}": v for (p, b, c), v in peers.items()}
+            out["peer_rates"] = {(f"{p}_B{b}_c{c}" if b is not None else f"{p}_c{c}"): v
+                                 for (p, b, c), v in peers.items()}
             ratios: dict[str, float] = {}
             for b in self.args.batches:
                 one = ours.get((1, b))
@@ -847,6 +858,10 @@ class Bench:
         for r in self.results:
             if r["section"] == "enqueue":
                 out[f"enqueue_{r['clients']}c"] = r["rate_median"]
+                ceiling = peers.get(("ceiling_enqueue", None, r["clients"]))
+                if ceiling:
+                    out.setdefault("ratios", {})[f"enqueue_{r['clients']}c_vs_ceiling"] = \
+                        round(r["rate_median"] / ceiling, 2)
             if r["section"] == "latency":
                 out[f"latency_{r['wakeup']}_ms"] = {
                     "delivered_p50": r["delivered_p50_ms_median"],
