@@ -942,3 +942,89 @@ def test_run_does_not_spin_when_saturated_and_rung(engine: Engine) -> None:
         t.join(5)
     assert spins <= 10, f"{spins} loop iterations in 1 s while saturated"
     assert effect_row(engine, "busy").status == "delivered"
+
+
+# ------------------------------------------------ the delivery threads and held connections
+
+
+def test_slot_pool_runs_every_row_once_under_bursts() -> None:
+    """SlotPool wakes one parked thread at a time (a thread that takes a row while more
+    wait wakes the next): a lost wake-up would leave rows queued forever. Random bursts,
+    fast and slow rows, every row runs exactly once; shutdown hands back what never
+    started and runs nothing after it."""
+    import random
+
+    from dispatcher.executor import SlotPool
+
+    rng = random.Random(7)
+    for size in (1, 2, 4, 16):
+        ran: list[int] = []
+        lock = threading.Lock()
+
+        def run(item: tuple[int, float], ran: list[int] = ran,
+                lock: threading.Lock = lock) -> None:
+            if item[1]:
+                time.sleep(item[1])
+            with lock:
+                ran.append(item[0])
+
+        pool: SlotPool[tuple[int, float]] = SlotPool(size, f"t{size}", run)
+        n = 0
+        for _ in range(300):
+            burst = [(n + i, rng.choice((0.0, 0.0, 0.0, 0.001)))
+                     for i in range(rng.randint(1, 3 * size))]
+            n += len(burst)
+            pool.put_many(burst)
+            if rng.random() < 0.3:
+                time.sleep(0.001)
+        wait_until(lambda ran=ran, n=n: len(ran) == n, 20)
+        assert sorted(ran) == list(range(n))  # each once
+        assert not pool._waking and not pool._tasks
+        # Shutdown: rows not started are handed back and never run.
+        gate = threading.Event()
+        started = threading.Event()
+
+        def block(item: int, gate: threading.Event = gate,
+                  started: threading.Event = started) -> None:
+            started.set()
+            gate.wait(5)
+
+        blocked: SlotPool[int] = SlotPool(size, f"b{size}", block)
+        blocked.put_many(list(range(size + 5)))
+        assert started.wait(5)
+        wait_until(lambda blocked=blocked: len(blocked._tasks) <= 5, 5)
+        dropped = blocked.shutdown()
+        gate.set()
+        assert len(dropped) >= 5
+        blocked.put_many([99])  # after shutdown: refused, never run
+        time.sleep(0.05)
+        assert blocked._tasks.count(99) == 0
+
+
+def test_a_loop_holds_at_most_two_connections_and_gives_them_back(engine: Engine) -> None:
+    """With more than one slot the claims and the outcome writes each keep one pooled
+    connection while a loop runs (idle in autocommit between statements); when the loop
+    ends both are back in the pool, and `fill()` driven by hand holds none."""
+    from outbox._config import make_engine
+
+    worker = make_engine(engine.url.render_as_string(hide_password=False),
+                         application_name="held-test", pool_size=3, max_overflow=2,
+                         pool_pre_ping=False)
+    seen: list[int] = []
+    try:
+        reg = Registry()
+        reg.register("noop", lambda e: seen.append(worker.pool.checkedout()) or None)
+        add_effects(engine, [f"held-{i}" for i in range(60)], kind="noop")
+        d = Dispatcher(worker, reg, concurrency=4, max_batch=10)
+        assert d.drain(budget=20) is False
+        assert status_counts(engine) == {"delivered": 60}
+        assert seen and max(seen) <= 2  # the producer's and the completer's, no more
+        assert worker.pool.checkedout() == 0  # both given back at the loop's end
+        add_effects(engine, ["held-by-hand"], kind="noop")
+        assert d.fill() == 1
+        assert worker.pool.checkedout() == 0  # by hand: checked out per statement
+        wait_until(lambda: (d.reap(), status_counts(engine).get("delivered") == 61)[1], 5)
+        d.shutdown(1)
+        assert worker.pool.checkedout() == 0
+    finally:
+        worker.dispose()
