@@ -156,11 +156,15 @@ class Dispatcher:
         """Run the handler for one claimed row (on a pool thread; no DB connection)."""
         return self.executor.execute(row, started_monotonic)
 
+    def _ours(self, row: Claimed) -> bool:
+        """`row` is still in flight under this claim's lease (not released meanwhile)."""
+        item = self._inflight.get(row.id)
+        return item is not None and item.row.lease_token == row.lease_token
+
     def _run_one(self, task: tuple[Claimed, float]) -> None:
         """A pool thread's whole job for one row: deliver it, hand the outcome over."""
         row, started = task
-        item = self._inflight.get(row.id)
-        if item is None or item.row.lease_token != row.lease_token:
+        if not self._ours(row):
             return  # released at shutdown before it started: not delivered at all
         result: Outcome | BaseException
         try:
@@ -181,8 +185,7 @@ class Dispatcher:
         else:
             outcome = result
         with self._lock:
-            item = self._inflight.get(row.id)
-            if item is None or item.row.lease_token != row.lease_token:
+            if not self._ours(row):
                 return
             del self._inflight[row.id]
             self.completer.add(outcome)

@@ -152,7 +152,7 @@ class SlotPool(Generic[T]):
     some tens of microseconds); with fast ones a few threads take the whole claim. One
     thread woken per row, as a queue wakes its getters, made every row of a claim a
     thread switch and a fight for the GIL, a fifth of the loop's time at 100 slots.
-    `run` must not raise (the dispatcher's classifies every failure); what escapes is
+    `run` must not raise (the dispatcher classifies every failure); what escapes is
     logged and the thread carries on.
     """
 

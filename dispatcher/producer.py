@@ -49,7 +49,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from outbox._driver import SyncDB
+from outbox._driver import SyncDB, dbapi_error
 from outbox._idempotency import Clock
 from outbox.sql import dispatch as sql
 from outbox.sql.dispatch import ClaimBatch, Claimed, Watermark
@@ -66,7 +66,6 @@ db_retry = retry(
     wait=wait_exponential(multiplier=0.05, max=2),
     reraise=True,
 )
-
 
 
 def retried(fn: Callable[[], R]) -> R:
@@ -123,8 +122,8 @@ class HeldConnection:
 
     Each statement is its own transaction (autocommit: no BEGIN/COMMIT round trips), so
     no transaction is ever open while a handler runs (I7; F12 in tests/test_faults.py
-    audits it). With `hold`, one pooled connection is kept between statements (idle, in
-    no transaction) until `release()`: a checkout and return through SQLAlchemy's pool
+    audits it). While `holding(True)`, one pooled connection is kept between statements
+    (idle, in no transaction): a checkout and return through SQLAlchemy's pool
     per statement cost ~0.2 ms of CPU, 15 % of a 10-row claim. Without it (one slot:
     nothing may even hold a pooled connection while the handler runs) each statement
     checks one out and gives it back; so does a held one idle for HOLD_IDLE. The
@@ -132,15 +131,14 @@ class HeldConnection:
     that broke the connection invalidates it, so `db_retry`'s next try gets a fresh one.
     """
 
-    def __init__(self, engine: Engine, *, hold: bool = False) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._pool_engine = engine
-        self.hold = hold
+        self.hold = False             # set by `holding` while a loop runs
         self._lock = threading.Lock()
         self._held: Any = None        # the pool's proxy of the held connection
         self._db: SyncDB | None = None
         self._used = 0.0              # time.monotonic() at the end of its last statement
-        self._record: Any = None      # the pool's record of the held connection
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[Any]:
@@ -184,8 +182,7 @@ class HeldConnection:
         try:
             held = self._pool_engine.raw_connection()
         except psycopg.Error as exc:  # unlike connect(), raw_connection() does not wrap
-            raise DBAPIError.instance(None, None, exc, psycopg.Error,
-                                      connection_invalidated=True) from exc
+            raise dbapi_error(exc, invalidated=True) from exc
         raw = held.driver_connection
         if not isinstance(raw, psycopg.Connection):
             held.close()
@@ -194,10 +191,8 @@ class HeldConnection:
             raw.autocommit = True
         except psycopg.Error as exc:
             held.invalidate()
-            raise DBAPIError.instance(None, None, exc, psycopg.Error,
-                                      connection_invalidated=True) from exc
-        self._held, self._db = held, SyncDB(raw, functools.partial(_as_dbapi_error, raw))
-        self._record = getattr(held, "_connection_record", None)
+            raise dbapi_error(exc, invalidated=True) from exc
+        self._held, self._db = held, SyncDB(raw, functools.partial(_wrap_error, raw))
         return self._db
 
     def _drop(self, *, invalidate: bool) -> None:
@@ -208,21 +203,16 @@ class HeldConnection:
             if invalidate:
                 held.invalidate()
                 return
+            record = getattr(held, "_connection_record", None)
             held.driver_connection.autocommit = False  # as the pool's other users expect
             held.close()
             # Idle since its last statement, not since now: the pool's check at the next
             # checkout (`ping_when_idle`) must count the time it was held unused.
-            record, self._record = self._record, None
             if record is not None and "outbox_idle_since" in record.info:
                 record.info["outbox_idle_since"] = self._used
         except Exception:
             with contextlib.suppress(Exception):
                 held.invalidate()
-
-    def release(self) -> None:
-        """Give the held connection back to the pool (the end of a loop)."""
-        with self._lock:
-            self._drop(invalidate=False)
 
     def holding(self, on: bool) -> None:
         """Hold a connection between statements from now on (a loop starts), or stop
@@ -233,11 +223,9 @@ class HeldConnection:
                 self._drop(invalidate=False)
 
 
-def _as_dbapi_error(raw: psycopg.Connection[Any], exc: Exception) -> Exception:
-    """A psycopg error as SQLAlchemy's DBAPIError subclass, as the callers expect
-    (`connection_invalidated` when it broke the connection)."""
-    return DBAPIError.instance(None, None, exc, psycopg.Error,
-                               connection_invalidated=bool(raw.closed or raw.broken))
+def _wrap_error(raw: psycopg.Connection[Any], exc: Exception) -> Exception:
+    """A held connection's psycopg error as the DBAPIError the callers catch."""
+    return dbapi_error(exc, invalidated=bool(raw.closed or raw.broken))
 
 
 class Producer:

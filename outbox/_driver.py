@@ -147,16 +147,22 @@ def _sqlalchemy_sync(conn: Any) -> SyncDB:
     return SyncDB(raw, _sqlalchemy_error(conn))
 
 
-def _sqlalchemy_error(conn: Any) -> Callable[[Exception], Exception]:
+def dbapi_error(exc: Exception, *, invalidated: bool) -> Exception:
+    """A psycopg error as SQLAlchemy's DBAPIError subclass, as SQLAlchemy callers catch
+    it (`connection_invalidated`: the error broke the connection)."""
     from sqlalchemy.exc import DBAPIError
 
+    return DBAPIError.instance(None, None, exc, psycopg.Error,
+                               connection_invalidated=invalidated)
+
+
+def _sqlalchemy_error(conn: Any) -> Callable[[Exception], Exception]:
     def wrap(exc: Exception) -> Exception:
         raw = conn.connection.driver_connection
         disconnect = bool(raw.closed or raw.broken)
         if disconnect:
             conn.invalidate(exc)
-        return DBAPIError.instance(None, None, exc, psycopg.Error,
-                                   connection_invalidated=disconnect)
+        return dbapi_error(exc, invalidated=disconnect)
     return wrap
 
 
