@@ -358,10 +358,12 @@ class IdempotencyGuard:
 
     def _begin(self, scope: str, key: str, fingerprint: str, business: str | None = None,
                window: float = DEFAULT_SAME_REQUEST_WINDOW) -> Flow:
-        if not (yield sql.try_lock_key(advisory_lock_id(scope, key))):
+        found: sql.Locked = yield sql.lock_and_read_key(
+            advisory_lock_id(scope, key), scope, key, now=self.clock())
+        if not found.locked:
             idempotency_requests.add(1, {"outcome": "in_progress"})
             raise RequestInProgress(retry_after=self.retry_after)
-        row = yield sql.get_key(scope, key, now=self.clock())
+        row = found.row
         if row is None:
             return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(),
                          generation=uuid.uuid4(), business_key=business, window=window)

@@ -339,6 +339,49 @@ def test_a_key_committed_under_our_feet_rolls_our_work_back_and_replays(
     assert key_status(engine, "under-feet") == "completed"
 
 
+def test_the_key_read_sees_a_twin_that_committed_after_our_statement_began(
+        engine: Engine) -> None:
+    """The atomic guard's lock and read are one call (migration 0009), and the read
+    runs on a snapshot taken after the lock, not when the statement began: a twin that
+    holds the lock when our statement starts and commits its key before we get the lock
+    is seen, and replayed. One statement's snapshot would miss it (the reverted
+    session-3 attempt: a second execution of the request). Here the calling statement
+    sleeps first, so its snapshot predates the twin's commit by half a second."""
+    twin = response_for(7, "twin")
+    lock_id = advisory_lock_id(SCOPE, "late-twin")
+    holding, release = threading.Event(), threading.Event()
+
+    def the_twin() -> None:
+        with engine.begin() as other:
+            assert other.execute(text("SELECT pg_try_advisory_xact_lock(:i)"),
+                                 {"i": lock_id}).scalar()
+            keysql.insert_completed_key(
+                scope=SCOPE, key="late-twin", fingerprint=FP, status=twin.status,
+                headers=twin.header_list(), body=twin.body, retention_seconds=600,
+                generation=uuid.uuid4()).run(other)
+            holding.set()
+            release.wait(10)
+        # committed, lock released
+
+    thread = threading.Thread(target=the_twin)
+    thread.start()
+    assert holding.wait(10)
+    with engine.begin() as conn:
+        threading.Timer(0.3, release.set).start()
+        row = conn.execute(text(
+            "SELECT f.* FROM (SELECT pg_sleep(0.8)) AS s,"
+            " LATERAL outbox.lock_and_read_key(:i, :scope, :key, NULL) AS f"),
+            {"i": lock_id, "scope": SCOPE, "key": "late-twin"}).one()
+    thread.join(10)
+    assert row.locked is True and row.status == "completed"
+    assert bytes(row.response_body) == twin.body
+    # And through the guard: the same key is a replay, the work does not run.
+    calls: list[uuid.UUID] = []
+    result = IdempotencyGuard().run(engine, SCOPE, "late-twin", FP,
+                                    make_work("late-twin", calls=calls))
+    assert result.replayed and result.response == twin and calls == []
+
+
 # --- F02 / B12-B14 mismatch and scope --------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)

@@ -80,6 +80,56 @@ def _key_row(result: Result) -> KeyRow | None:
     )
 
 
+# The atomic guard's first statement (migration 0009): the key's advisory lock, then its
+# row read on a snapshot taken after the lock, in one round trip. Rows are read by
+# position (tuples): `locked` first, then KeyRow's fields in order.
+_LOCK_AND_READ = sql(
+    """
+    SELECT locked, status, fingerprint, lock_token, age, lock_expired, generation,
+           response_status, response_headers, response_body
+      FROM outbox.lock_and_read_key(:lock_id, :scope, :key, CAST(:now AS timestamptz))
+    """,
+    tuples=True,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Locked:
+    """What `lock_and_read_key` found: the lock (False: a twin holds it) and the row."""
+
+    locked: bool
+    row: KeyRow | None
+
+
+_NEW_KEY = Locked(True, None)
+_HELD = Locked(False, None)
+
+
+def lock_and_read_key(lock_id: int, scope: str, key: str,
+                      now: datetime | None = None) -> Query[Locked]:
+    """Take the key's advisory lock without waiting and, if ours, read the key's row.
+
+    The read runs after the lock (a fresh snapshot inside the function), so a twin that
+    committed before we got the lock is seen: one round trip for what took two.
+    """
+    return Query(_LOCK_AND_READ, {"lock_id": lock_id, "scope": scope, "key": key,
+                                  "now": now}, _locked)
+
+
+def _locked(result: Result) -> Locked:
+    if not result.rows:
+        return _NEW_KEY
+    (locked, status, fingerprint, lock_token, age, lock_expired, generation,
+     response_status, response_headers, response_body) = result.rows[0]
+    if not locked:
+        return _HELD
+    return Locked(True, KeyRow(
+        status=status, fingerprint=fingerprint, lock_token=lock_token, age=age,
+        lock_expired=lock_expired, generation=generation, response_status=response_status,
+        response_headers=response_headers,
+        response_body=bytes(response_body) if response_body is not None else None))
+
+
 _INSERT_COMPLETED = sql(
     f"""
     INSERT INTO outbox.idempotency_keys
