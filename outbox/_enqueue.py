@@ -33,6 +33,7 @@ from outbox._telemetry import (
 )
 from outbox.errors import EffectKeyConflict, InvalidIdempotencyKey, InvalidInput
 from outbox.sql import effects as sql
+from outbox.sql import keys as sql_keys
 
 DEFAULT_MAX_ATTEMPTS = 25
 
@@ -321,6 +322,63 @@ def _insert(batch: Sequence[Effect], keys: list[str], unique: dict[str, dict[str
         effects_enqueued.add(1, {"kind": effect.kind, "queue": effect.queue,
                                  "result": "inserted" if fresh else "duplicate"})
     return results
+
+
+def defer(claim: Claim, effects: Iterable[Effect]) -> list[str]:
+    """`Claim.enqueue_many`: check and key the effects now, keep them for `complete()`.
+
+    The enqueue span is made now, so the trace context in each row is the caller's, as
+    with `enqueue`. An effect key the claim deferred already folds into the first, if
+    it is the same effect (else EffectKeyConflict, now).
+    """
+    batch: Sequence[Effect] = list(effects)
+    if not batch:
+        return []
+    with _create_span(batch):
+        keys, unique = _rows_for(batch, claim, _carrier())
+    clashes = [k for k, row in unique.items()
+               if k in claim._deferred and _identity(claim._deferred[k]) != _identity(row)]
+    if clashes:
+        raise EffectKeyConflict(clashes)
+    for key, row in unique.items():
+        claim._deferred.setdefault(key, row)
+    claim._deferred_calls.extend(
+        (key, effect.kind, effect.queue) for key, effect in zip(keys, batch, strict=True))
+    return keys
+
+
+def write_deferred(claim: Claim, write: Query[Any], now: Any
+                   ) -> Generator[Query[Any], Any, sql_keys.Completed]:
+    """The key's completing `write` carrying the claim's deferred effects.
+
+    Effects are written only with the key. A key that
+    existed already is a duplicate if it is the same effect, else EffectKeyConflict
+    (the transaction must roll back: complete() raises).
+    """
+    rows = list(claim._deferred.values())
+    ordering_keys = [r["ordering_key"] for r in rows if r["ordering_key"]]
+    if ordering_keys:  # as in `_insert`: ids of one ordering key in commit order
+        yield sql.lock_ordering_keys(ordering_keys)
+    done: sql_keys.Completed = yield sql_keys.with_effects(write, rows, NOTIFY_CHANNEL)
+    if not done.written:
+        return done
+    inserted = set(done.inserted)
+    missing = [r for k, r in claim._deferred.items() if k not in inserted]
+    existing: dict[str, tuple[int, bool]] = (
+        (yield sql.match_existing_effects(missing)) if missing else {})
+    conflicts = [k for k, (_, same) in existing.items() if not same]
+    if conflicts:
+        raise EffectKeyConflict(conflicts)
+    gone = [r for r in missing if r["key"] not in existing]
+    if gone:  # purged between our insert and the lookup: insert those again
+        inserted.update((yield sql.insert_effects(gone, NOTIFY_CHANNEL, now=now)))
+    seen: set[str] = set()
+    for key, kind, queue in claim._deferred_calls:
+        fresh = key in inserted and key not in seen
+        seen.add(key)
+        effects_enqueued.add(1, {"kind": kind, "queue": queue,
+                                 "result": "inserted" if fresh else "duplicate"})
+    return done
 
 
 # Only the W3C trace context rides in an effect row. The global propagator also

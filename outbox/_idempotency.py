@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -95,6 +95,40 @@ class Claim:
     window: float = DEFAULT_SAME_REQUEST_WINDOW
     suspected_duplicates: int = 0
     _effect_counts: dict[str, int] = field(default_factory=dict)
+    # Effects deferred to `complete()` (`enqueue`): their rows by effect key, and
+    # (key, kind, queue) per call, for the metrics and the doorbell.
+    _deferred: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _deferred_calls: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def enqueue(self, kind: str, payload: Any, *, key: str | None = None,
+                name: str | None = None, ordering_key: str | None = None,
+                queue: str = "default", delay: float = 0.0, max_attempts: int = 25,
+                retry_for: float | None = None) -> str:
+        """Defer an effect to this claim's `complete()`; returns its effect key.
+
+        The row is written by the statement that stores the key: the same transaction
+        and guarantees as `enqueue(conn, ..., claim=claim)`, one round trip fewer. It is
+        checked and keyed now (bad input raises here); a key that exists with another
+        effect raises EffectKeyConflict from `complete()`. Its id is not known before
+        then: use `enqueue()` when the work needs it. Never written without `complete()`.
+        """
+        from outbox._enqueue import Effect
+
+        return self.enqueue_many([Effect(
+            kind, payload, key=key, name=name, ordering_key=ordering_key, queue=queue,
+            delay=delay, max_attempts=max_attempts, retry_for=retry_for)])[0]
+
+    def enqueue_many(self, effects: Iterable[Any]) -> list[str]:
+        """`enqueue` for several `Effect`s; their effect keys, in order."""
+        from outbox._enqueue import defer
+
+        return defer(self, effects)
+
+    def _reset(self) -> None:
+        """A retried transaction starts its effects again (the same keys, derived anew)."""
+        self._effect_counts.clear()
+        self._deferred.clear()
+        self._deferred_calls.clear()
 
     def effect_key(self, kind: str, name: str | None = None) -> str:
         """A deterministic key for the n-th effect of `kind` (or the one called `name`).
@@ -197,6 +231,14 @@ class Result:
     # Other keys of the scope with the same business identity within the window (0 for
     # a replay, or without `same_request`).
     suspected_duplicates: int = 0
+
+
+def _ring_deferred(target: Any, claim: Claim) -> None:
+    """The doorbell for the queues of the claim's deferred effects, after the commit."""
+    if claim._deferred_calls:
+        from outbox._enqueue import _ring_after_commit
+
+        _ring_after_commit(target, {queue for _, _, queue in claim._deferred_calls})
 
 
 # -- transactions on whatever the caller gave `run` --------------------------------------
@@ -381,25 +423,37 @@ class IdempotencyGuard:
 
     def _complete(self, claim: Claim, response: StoredResponse) -> Flow:
         now = self.clock()
-        if claim.mode == "atomic" and claim.business_key is not None:
-            wrote: sql.KeyWrite = yield sql.insert_completed_key_with_suspects(
+        write: Query[Any]
+        business = claim.business_key if claim.mode == "atomic" else None  # detecting
+        if business is not None:
+            write = sql.insert_completed_key_with_suspects(
                 scope=claim.scope, key=claim.key, fingerprint=claim.fingerprint,
                 status=response.status, headers=response.header_list(), body=response.body,
                 retention_seconds=self.retention, generation=claim.generation,
-                business_hash=claim.business_key, window_seconds=claim.window, now=now)
-            stored = wrote.written
-            if stored:
-                _suspects_found(claim, wrote)
+                business_hash=business, window_seconds=claim.window, now=now)
         elif claim.mode == "atomic":
-            stored = yield sql.insert_completed_key(
+            write = sql.insert_completed_key(
                 scope=claim.scope, key=claim.key, fingerprint=claim.fingerprint,
                 status=response.status, headers=response.header_list(), body=response.body,
                 retention_seconds=self.retention, generation=claim.generation, now=now)
         else:
-            stored = yield sql.complete_claimed_key(
+            write = sql.complete_claimed_key(
                 scope=claim.scope, key=claim.key, token=claim.token,
                 status=response.status, headers=response.header_list(), body=response.body,
                 now=now)
+        if claim._deferred:  # the deferred effects ride in the key's write
+            from outbox._enqueue import write_deferred
+
+            done: sql.Completed = yield from write_deferred(claim, write, now)
+            wrote: sql.KeyWrite | bool = done.key_write if business is not None else done.written
+        else:
+            wrote = yield write
+        if isinstance(wrote, sql.KeyWrite):
+            stored = wrote.written
+            if stored:
+                _suspects_found(claim, wrote)
+        else:
+            stored = bool(wrote)
         if not stored and claim.mode == "atomic":
             # The key's row is there though our read found none and we hold its lock: a
             # twin's, written without the lock or committed after our snapshot. Retry
@@ -498,11 +552,13 @@ class IdempotencyGuard:
         """
         _require_transaction(target)
         drive(target, self._complete(claim, response))
+        _ring_deferred(target, claim)
 
     async def acomplete(self, target: Connectable, claim: Claim,
                         response: StoredResponse) -> None:
         await _arequire_transaction(target)
         await adrive(target, self._complete(claim, response))
+        _ring_deferred(target, claim)
 
     # -- phased mode -----------------------------------------------------------------
 
@@ -589,7 +645,7 @@ class IdempotencyGuard:
                 prepare(claimed)
             for attempt in Retrying(**_retrying()):
                 with attempt:
-                    claimed._effect_counts.clear()
+                    claimed._reset()
                     with _transaction(engine) as conn:
                         response = work(conn, claimed)
                         self.complete(conn, claimed, response)
@@ -642,7 +698,7 @@ class IdempotencyGuard:
                 await prepare(claimed)
             async for attempt in AsyncRetrying(**_retrying()):
                 with attempt:
-                    claimed._effect_counts.clear()
+                    claimed._reset()
                     async with _atransaction(engine) as conn:
                         response = await work(conn, claimed)
                         await self.acomplete(conn, claimed, response)

@@ -126,6 +126,19 @@ def response_for(order_id: int, tag: str) -> StoredResponse:
     )
 
 
+# How make_work writes its effects: `enqueue_many(conn, ..., claim=claim)`, or deferred to
+# the key's completion (`claim.enqueue_many`). Tests that take the `effect_form` fixture
+# run on both.
+_FORM = {"deferred": False}
+
+
+@pytest.fixture(params=["enqueue", "deferred"])
+def effect_form(request: pytest.FixtureRequest) -> Iterator[str]:
+    _FORM["deferred"] = request.param == "deferred"
+    yield str(request.param)
+    _FORM["deferred"] = False
+
+
 def make_work(key: str, *, tag: str = "", calls: list[uuid.UUID] | None = None,
               hook: Callable[[Connection, Claim], None] | None = None,
               after_enqueue: Callable[[Connection, Claim], None] | None = None,
@@ -140,10 +153,14 @@ def make_work(key: str, *, tag: str = "", calls: list[uuid.UUID] | None = None,
         order_id = conn.execute(
             text("INSERT INTO test_orders (key, amount) VALUES (:k, 42) RETURNING id"),
             {"k": key}).scalar_one()
-        enqueue_many(conn, [
+        pair = [
             Effect("psp.charge", {"order_key": key, "order_id": order_id, "by": tag}),
             Effect("email.receipt", {"order_key": key, "order_id": order_id, "by": tag}),
-        ], claim=claim)
+        ]
+        if _FORM["deferred"]:
+            claim.enqueue_many(pair)
+        else:
+            enqueue_many(conn, pair, claim=claim)
         if after_enqueue is not None:
             after_enqueue(conn, claim)
         if pause:
@@ -262,7 +279,7 @@ def check_storm(outcomes: list[tuple[Outcome, float]]) -> Counter[str]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_f01_fifty_identical_requests_execute_once(storm_engine: Engine, engine: Engine,
-                                                   mode: Mode) -> None:
+                                                   mode: Mode, effect_form: str) -> None:
     guard = IdempotencyGuard()
     threads, trials = 50, 10
     mix: Counter[str] = Counter()
@@ -288,7 +305,8 @@ def test_f01_fifty_identical_requests_execute_once(storm_engine: Engine, engine:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
 def test_f01_storm_at_higher_isolation_still_executes_once(
-        storm_engine: Engine, engine: Engine, mode: Mode, isolation: str) -> None:
+        storm_engine: Engine, engine: Engine, mode: Mode, isolation: str,
+        effect_form: str) -> None:
     """At RR/SERIALIZABLE a twin's snapshot can predate the winner's commit: the unique
     backstop then raises 40001 and the retry replays. Never a 500, never a double."""
     strict = storm_engine.execution_options(isolation_level=isolation)
@@ -308,7 +326,7 @@ def test_f01_storm_at_higher_isolation_still_executes_once(
 
 @pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ"])
 def test_a_key_committed_under_our_feet_rolls_our_work_back_and_replays(
-        engine: Engine, isolation: str) -> None:
+        engine: Engine, isolation: str, effect_form: str) -> None:
     """The key's row is there by the time our completion writes it (at READ COMMITTED:
     written without the lock): nothing of ours commits, and run() retries the
     transaction, whose read replays the twin's answer. Our work ran once and rolled
@@ -464,7 +482,8 @@ def test_b11_sql_like_keys_are_opaque(engine: Engine) -> None:
 # --- F03 replay after completion -------------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)
-def test_f03_replay_is_byte_identical_and_writes_nothing(engine: Engine, mode: Mode) -> None:
+def test_f03_replay_is_byte_identical_and_writes_nothing(engine: Engine, mode: Mode,
+                                                        effect_form: str) -> None:
     guard = IdempotencyGuard()
     original = StoredResponse(
         402, (("Content-Type", "application/problem+json"), ("X-Weird", " spaced\tvalue "),
@@ -499,7 +518,7 @@ def test_f03_replay_is_byte_identical_and_writes_nothing(engine: Engine, mode: M
 @pytest.mark.parametrize("retry_mode", MODES)
 @pytest.mark.parametrize("how", ["backdate", "clock"])
 def test_f04_crashed_claim_is_409_until_ttl_then_retaken_once(
-        engine: Engine, retry_mode: Mode, how: str) -> None:
+        engine: Engine, retry_mode: Mode, how: str, effect_form: str) -> None:
     guard = IdempotencyGuard(ttl=60)
     crashed = guard.claim(engine, SCOPE, "k", FP)  # ... and the process dies here
     assert isinstance(crashed, Claim) and not crashed.taken_over
@@ -599,7 +618,7 @@ def test_f06_mixed_mode_retakers_execute_once(storm_engine: Engine, engine: Engi
 
 # --- F05 zombie ------------------------------------------------------------------------
 
-def test_f05_zombie_completion_is_fenced_and_rolls_back(engine: Engine) -> None:
+def test_f05_zombie_completion_is_fenced_and_rolls_back(engine: Engine, effect_form: str) -> None:
     guard = IdempotencyGuard(ttl=60)
     a = guard.claim(engine, SCOPE, "k", FP)
     assert isinstance(a, Claim)
@@ -708,7 +727,7 @@ def test_exception_in_prepare_releases_the_claim(engine: Engine) -> None:
     assert not guard.run(engine, SCOPE, "k", FP, make_work("k"), mode="phased").replayed
 
 
-def test_exception_in_atomic_work_leaves_no_key(engine: Engine) -> None:
+def test_exception_in_atomic_work_leaves_no_key(engine: Engine, effect_form: str) -> None:
     guard = IdempotencyGuard()
 
     def failing(conn: Connection, claim: Claim) -> StoredResponse:
@@ -733,7 +752,7 @@ def raise_sqlstate(conn: Connection, sqlstate: str) -> None:
 @pytest.mark.parametrize("sqlstate", ["40001", "40P01"])
 @pytest.mark.parametrize("phase", ["before_business", "after_enqueue"])
 def test_f09_transient_error_is_retried_with_the_same_claim(
-        engine: Engine, mode: Mode, sqlstate: str, phase: str) -> None:
+        engine: Engine, mode: Mode, sqlstate: str, phase: str, effect_form: str) -> None:
     guard = IdempotencyGuard()
     calls: list[uuid.UUID] = []
 
@@ -1099,7 +1118,8 @@ def test_session_phased_zombie_is_fenced(engine: Engine) -> None:
 # --- trace context ---------------------------------------------------------------------
 
 def test_enqueue_captures_the_active_trace(engine: Engine,
-                                           spans: InMemorySpanExporter) -> None:
+                                           spans: InMemorySpanExporter,
+                                           effect_form: str) -> None:
     tracer = trace.get_tracer("tests")
     with tracer.start_as_current_span("POST /orders") as request_span:
         guard = IdempotencyGuard()
@@ -1120,3 +1140,202 @@ def test_enqueue_captures_the_active_trace(engine: Engine,
         assert version == "00" and int(flags, 16) & 0x01  # sampled (0x02: random id)
         assert trace_id == format(request.trace_id, "032x")
         assert parent_id == format(enqueue_span.context.span_id, "016x")
+
+
+# --- effects deferred to the key's completion (Claim.enqueue) ---------------------------
+
+class CountingDriver:
+    """Runs a guard flow on a real connection, counting the statements it sends."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        from outbox._driver import sync_db
+
+        self.db = sync_db(conn)
+        self.statements = 0
+
+    def drive(self, flow: Any) -> Any:
+        try:
+            query = next(flow)
+            while True:
+                self.statements += 1
+                query = flow.send(query.parse(self.db.execute(query.statement, query.params)))
+        except StopIteration as done:
+            return done.value
+
+
+def test_an_atomic_request_with_deferred_effects_sends_two_statements(
+        engine: Engine, db_url: str) -> None:
+    """The lock and read are one statement, the key and its effects another: two of
+    ours per request (four before: lock, read, effects, key). An ordering key adds its
+    producer lock; `enqueue()` in the work adds its own statement."""
+    guard = IdempotencyGuard()
+    sent: dict[str, int] = {}
+    for form in ("deferred", "deferred+ordering", "enqueue"):
+        with psycopg.connect(make_url(db_url).set(drivername="postgresql")
+                             .render_as_string(hide_password=False)) as conn:
+            driver = CountingDriver(conn)
+            key = f"two-{form}"
+            claim = driver.drive(guard._begin(SCOPE, key, FP))
+            ordering = "o-1" if form.endswith("ordering") else None
+            pair = [Effect("psp.charge", {"order_key": key}, ordering_key=ordering),
+                    Effect("email.receipt", {"order_key": key})]
+            if form == "enqueue":
+                enqueue_many(conn, pair, claim=claim)
+                driver.statements += 1  # enqueue's own statement
+            else:
+                claim.enqueue_many(pair)
+            driver.drive(guard._complete(claim, StoredResponse(201)))
+            conn.commit()
+        sent[form] = driver.statements
+        assert effects(engine, key) == 2 and key_status(engine, key) == "completed"
+    assert sent == {"deferred": 2, "deferred+ordering": 3, "enqueue": 3}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deferred_effects_return_their_keys_and_match_enqueue(engine: Engine,
+                                                              mode: Mode) -> None:
+    """The keys `claim.enqueue` returns are the ones `enqueue(..., claim=claim)` would
+    derive, and the rows are the same rows (payload, queue, attempts, trace headers)."""
+    guard = IdempotencyGuard()
+    got: dict[str, list[str]] = {}
+
+    def work(form: str) -> Work:
+        def run(conn: Connection, claim: Claim) -> StoredResponse:
+            if form == "deferred":
+                got[form] = [claim.enqueue("psp.charge", {"n": 1}, queue="q1", max_attempts=3),
+                             claim.enqueue("psp.charge", {"n": 2}, name="second")]
+            else:
+                got[form] = [enqueue(conn, "psp.charge", {"n": 1}, claim=claim, queue="q1",
+                                     max_attempts=3).effect_key,
+                             enqueue(conn, "psp.charge", {"n": 2}, claim=claim,
+                                     name="second").effect_key]
+            return StoredResponse(201)
+        return run
+
+    for form in ("deferred", "enqueue"):
+        guard.run(engine, f"{SCOPE}:{form}", "same-key", FP, work(form), mode=mode)
+    assert got["deferred"][0].startswith("psp.charge:")
+    with engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT effect_key, payload, queue, max_attempts, status FROM outbox.effects"
+            " ORDER BY id")).all()
+    assert [r.effect_key for r in rows] == got["deferred"] + got["enqueue"]
+    assert [(r.payload, r.queue, r.max_attempts, r.status) for r in rows[:2]] == \
+        [(r.payload, r.queue, r.max_attempts, r.status) for r in rows[2:]]
+
+
+def test_a_fenced_out_zombie_writes_none_of_its_deferred_effects(engine: Engine) -> None:
+    """The effects ride in the fenced completion and are gated on it: a zombie whose
+    claim was taken over writes none of them, even if it ignores ClaimLost and commits
+    its transaction (with `enqueue()` in the work its rows would have been written)."""
+    guard = IdempotencyGuard(ttl=60)
+    a = guard.claim(engine, SCOPE, "k", FP)
+    assert isinstance(a, Claim)
+    backdate(engine, "k", 61)
+    b = guard.claim(engine, SCOPE, "k", FP)
+    assert isinstance(b, Claim) and b.taken_over
+    with engine.begin() as zombie:
+        a.enqueue("psp.charge", {"order_key": "k", "by": "zombie"})
+        with pytest.raises(ClaimLost):
+            guard.complete(zombie, a, StoredResponse(201, (), b"zombie"))
+        # ... and commits anyway
+    assert effects(engine, "k") == 0
+    with engine.begin() as conn:
+        b.enqueue("psp.charge", {"order_key": "k", "by": "retaker"})
+        guard.complete(conn, b, StoredResponse(201, (), b"retaker"))
+    with engine.connect() as conn:
+        tags = conn.execute(text("SELECT payload->>'by' FROM outbox.effects")).scalars().all()
+    assert tags == ["retaker"]
+
+
+def test_deferred_effect_whose_key_holds_another_effect_fails_the_completion(
+        engine: Engine) -> None:
+    """An explicit key already used for another effect: EffectKeyConflict from the
+    completion, and nothing of the request commits (not its key, not its rows). The same
+    effect under that key is a duplicate, and the request completes."""
+    with engine.begin() as conn:
+        enqueue(conn, "psp.charge", {"order_key": "k", "n": 1}, key="charge-1")
+    guard = IdempotencyGuard()
+
+    def work(payload: dict[str, Any]) -> Work:
+        def run(conn: Connection, claim: Claim) -> StoredResponse:
+            conn.execute(text("INSERT INTO test_orders (key, amount) VALUES ('k', 1)"))
+            assert claim.enqueue("psp.charge", payload, key="charge-1") == "charge-1"
+            claim.enqueue("email.receipt", {"order_key": "k"})
+            return StoredResponse(201)
+        return run
+
+    with pytest.raises(EffectKeyConflict):
+        guard.run(engine, SCOPE, "k", FP, work({"order_key": "k", "n": 2}))
+    assert orders(engine, "k") == 0 and effects(engine, "k") == 1 and key_rows(engine) == []
+    result = guard.run(engine, SCOPE, "k", FP, work({"order_key": "k", "n": 1}))
+    assert not result.replayed
+    assert orders(engine, "k") == 1 and effects(engine, "k") == 2
+
+
+def test_deferred_effects_refuse_bad_input_at_the_call(engine: Engine) -> None:
+    """Checked when deferred, as `enqueue` checks them: the caller's error, at its line.
+    One key for two different effects in one request is refused at the second call."""
+    guard = IdempotencyGuard()
+    begun: list[Claim] = []
+
+    def work(conn: Connection, claim: Claim) -> StoredResponse:
+        begun.append(claim)
+        with pytest.raises(InvalidInput):
+            claim.enqueue("bad kind", {})
+        with pytest.raises(InvalidInput):
+            claim.enqueue("psp.charge", {}, key="two\r\nlines")
+        claim.enqueue("psp.charge", {"n": 1}, key="k-1")
+        claim.enqueue("psp.charge", {"n": 1}, key="k-1")  # the same effect: folded
+        with pytest.raises(EffectKeyConflict):
+            claim.enqueue("psp.charge", {"n": 2}, key="k-1")
+        return StoredResponse(201)
+
+    guard.run(engine, SCOPE, "k", FP, work)
+    assert effects(engine) == 1
+
+
+def test_deferred_effects_ring_the_doorbell_after_commit(engine: Engine) -> None:
+    rings: list[str] = []
+    add_doorbell(rings.append)
+    try:
+        guard = IdempotencyGuard()
+
+        def work(conn: Connection, claim: Claim) -> StoredResponse:
+            claim.enqueue("psp.charge", {}, queue="payments")
+            claim.enqueue("email.receipt", {}, queue="mail")
+            assert rings == []
+            return StoredResponse(201)
+
+        guard.run(engine, SCOPE, "k", FP, work)
+        assert sorted(rings) == ["mail", "payments"]
+        rings.clear()
+        guard.run(engine, SCOPE, "k", FP, work)  # a replay writes and rings nothing
+        assert rings == []
+    finally:
+        remove_doorbell(rings.append)
+
+
+def test_deferred_effects_on_an_async_session(db_url: str, engine: Engine) -> None:
+    """abegin / acomplete on SQLAlchemy's AsyncSession: the same rows, one commit."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    async def main() -> list[str]:
+        aengine = create_async_engine(db_url)
+        try:
+            async with async_sessionmaker(aengine).begin() as session:
+                guard = IdempotencyGuard()
+                begun = await guard.abegin(session, SCOPE, "async-k", FP)
+                assert isinstance(begun, Claim)
+                keys = begun.enqueue_many([Effect("psp.charge", {"order_key": "async-k"}),
+                                           Effect("email.receipt", {"order_key": "async-k"})])
+                await guard.acomplete(session, begun, StoredResponse(201))
+            return keys
+        finally:
+            await aengine.dispose()
+
+    keys = asyncio.run(main())
+    assert len(keys) == 2 and effects(engine, "async-k") == 2
+    assert key_status(engine, "async-k") == "completed"

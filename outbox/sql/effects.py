@@ -29,11 +29,16 @@ _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 # it reserves for the effect (nextval in the rows' order: effects of one ordering key
 # run in the order given); only a key that was new there gets its effect row. The rows
 # of one call have distinct keys (the caller folds repeats, `_enqueue._rows_for`).
-_INSERT_EFFECTS = sql(
-    f"""
-    WITH t AS MATERIALIZED (
+# The rows, their keys, their effects and the doorbell, as CTEs: `{gate}` is a condition
+# on the source rows, so a statement that writes an idempotency key can carry the
+# effects of its request and write them only if the key was written
+# (keys.with_effects: `EXISTS (SELECT 1 FROM written)`).
+EFFECT_CTES = f"""
+    t AS MATERIALIZED (
         SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb))
-          AS t(k text, kind text, p jsonb, ok text, q text, m int, d float8, ru float8)
+          AS t(k text, kind text, p jsonb, h jsonb, ok text, q text, m int, d float8,
+                ru float8)
+         WHERE {{gate}}
     ), keyed AS (
         INSERT INTO outbox.effect_keys (effect_key, effect_id)
         SELECT k, nextval('outbox.effects_id_seq') FROM t
@@ -43,7 +48,7 @@ _INSERT_EFFECTS = sql(
         INSERT INTO outbox.effects
                (id, effect_key, kind, payload, headers, ordering_key, queue, max_attempts,
                 available_at, retry_until)
-        SELECT keyed.effect_id, t.k, t.kind, t.p, CAST(:headers AS jsonb), t.ok, t.q, t.m,
+        SELECT keyed.effect_id, t.k, t.kind, t.p, t.h, t.ok, t.q, t.m,
                {_NOW} + make_interval(secs => t.d),
                CASE WHEN t.ru IS NULL THEN NULL
                     ELSE {_NOW} + make_interval(secs => t.ru) END
@@ -52,9 +57,17 @@ _INSERT_EFFECTS = sql(
     ), bell AS (
         SELECT pg_notify(:channel, queue) FROM (SELECT DISTINCT queue FROM ins) AS d
     )
-    SELECT id, effect_key FROM ins WHERE (SELECT count(*) FROM bell) >= 0
-    """
+"""
+
+_INSERT_EFFECTS = sql(
+    "WITH" + EFFECT_CTES.format(gate="true")
+    + "SELECT id, effect_key FROM ins WHERE (SELECT count(*) FROM bell) >= 0"
 )
+
+
+def effect_params(rows: Sequence[dict[str, Any]], channel: str) -> dict[str, Any]:
+    """The parameters of EFFECT_CTES (besides `now`) for these rows."""
+    return {"rows": _rows_json(rows), "channel": channel}
 
 
 def _rows_json(rows: Sequence[dict[str, Any]]) -> str:
@@ -64,7 +77,7 @@ def _rows_json(rows: Sequence[dict[str, Any]]) -> str:
         head = json.dumps({"k": r["key"], "kind": r["kind"], "ok": r["ordering_key"],
                            "q": r["queue"], "m": r["max_attempts"], "d": r["delay"],
                            "ru": r["retry_for"]}, separators=(",", ":"))
-        parts.append(f'{head[:-1]},"p":{r["payload"]}}}')
+        parts.append(f'{head[:-1]},"p":{r["payload"]},"h":{r["headers"]}}}')
     return "[" + ",".join(parts) + "]"
 
 
@@ -72,12 +85,10 @@ def insert_effects(rows: Sequence[dict[str, Any]], channel: str,
                    now: datetime | None = None) -> Query[dict[str, int]]:
     """Insert effects and ring `channel` in one statement; {effect_key: id} of new rows.
 
-    Each row: key, kind, payload (JSON text), headers (JSON text, the same for every
-    row of one call), ordering_key, queue, max_attempts, delay (s), retry_for (s|None).
+    Each row: key, kind, payload (JSON text), headers (the trace context, JSON text),
+    ordering_key, queue, max_attempts, delay (s), retry_for (s|None).
     """
-    params = {"rows": _rows_json(rows), "headers": rows[0]["headers"] if rows else "{}",
-              "channel": channel, "now": now}
-    return Query(_INSERT_EFFECTS, params, _ids_by_key)
+    return Query(_INSERT_EFFECTS, {**effect_params(rows, channel), "now": now}, _ids_by_key)
 
 
 def _ids_by_key(result: Result) -> dict[str, int]:

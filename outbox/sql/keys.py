@@ -7,13 +7,15 @@ on an async one (outbox/_driver.py); the guard yields them from one sans-IO prot
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from outbox._driver import Query, Result, nothing, rowcount, sql
+from outbox._driver import Query, Result, Statement, nothing, rowcount, sql
+from outbox.sql import effects
 
 _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 
@@ -130,8 +132,7 @@ def _locked(result: Result) -> Locked:
         response_body=bytes(response_body) if response_body is not None else None))
 
 
-_INSERT_COMPLETED = sql(
-    f"""
+_INSERT_COMPLETED_ROW = f"""
     INSERT INTO outbox.idempotency_keys
            (scope, key, fingerprint, status, response_status, response_headers,
             response_body, created_at, completed_at, expires_at, generation)
@@ -139,8 +140,8 @@ _INSERT_COMPLETED = sql(
             {_NOW}, {_NOW}, {_NOW} + make_interval(secs => :retention), :generation)
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
-    """
-)
+"""
+_INSERT_COMPLETED = sql(_INSERT_COMPLETED_ROW)
 
 
 def insert_completed_key(
@@ -161,10 +162,11 @@ def insert_completed_key(
         "headers": Jsonb(headers), "body": body, "retention": retention_seconds,
         "generation": generation, "now": now,
     }
-    return Query(_INSERT_COMPLETED, params, _returned)
+    return Query(_INSERT_COMPLETED, params, returned)
 
 
-def _returned(result: Result) -> bool:
+def returned(result: Result) -> bool:
+    """Whether the statement returned a row (the key was written)."""
     return bool(result.rows)
 
 
@@ -173,7 +175,7 @@ def _returned(result: Result) -> bool:
 # inside the window, so noticing them costs no round trip. The read runs on the
 # statement's snapshot: keys committed before it are seen (never our own row, and not
 # a concurrent request's uncommitted one). It never locks or refuses anything.
-_SUSPECTS = f"""
+_SUSPECTS_CTE = f"""
     suspects AS (
         SELECT key, created_at FROM outbox.idempotency_keys
          WHERE scope = :scope AND business_hash = :business_hash
@@ -181,9 +183,13 @@ _SUSPECTS = f"""
            AND key <> :key
          ORDER BY created_at DESC
          LIMIT :cap)
-    SELECT EXISTS (SELECT 1 FROM written) AS written,
+"""
+_SUSPECTS_COLUMNS = """
            (SELECT count(*) FROM suspects) AS suspects,
            (SELECT key FROM suspects ORDER BY created_at DESC LIMIT 1) AS latest_key
+"""
+_SUSPECTS = f"""{_SUSPECTS_CTE}
+    SELECT EXISTS (SELECT 1 FROM written) AS written, {_SUSPECTS_COLUMNS}
 """
 
 #: At most this many other keys are counted (and read) per write.
@@ -204,9 +210,7 @@ def _key_write(result: Result) -> KeyWrite:
     return KeyWrite(bool(row.written), int(row.suspects), row.latest_key)
 
 
-_INSERT_COMPLETED_WITH_SUSPECTS = sql(
-    f"""
-    WITH written AS (
+_INSERT_COMPLETED_HASHED_ROW = f"""
         INSERT INTO outbox.idempotency_keys
                (scope, key, fingerprint, status, response_status, response_headers,
                 response_body, created_at, completed_at, expires_at, generation,
@@ -215,10 +219,10 @@ _INSERT_COMPLETED_WITH_SUSPECTS = sql(
                 {_NOW}, {_NOW}, {_NOW} + make_interval(secs => :retention), :generation,
                 :business_hash)
         ON CONFLICT (scope, key) DO NOTHING
-        RETURNING 1),
-    {_SUSPECTS}
-    """
-)
+        RETURNING 1
+"""
+_INSERT_COMPLETED_WITH_SUSPECTS = sql(
+    f"WITH written AS ({_INSERT_COMPLETED_HASHED_ROW}), {_SUSPECTS}")
 
 
 def insert_completed_key_with_suspects(
@@ -282,7 +286,7 @@ def claim_key(
         "ttl": ttl_seconds, "retention": retention_seconds, "generation": generation,
         "now": now,
     }
-    return Query(_CLAIM, params, _returned)
+    return Query(_CLAIM, params, returned)
 
 
 _CLAIM_WITH_SUSPECTS = sql(
@@ -359,16 +363,15 @@ def _taken(result: Result) -> tuple[bool, uuid.UUID | None]:
     return (row is not None, row.generation if row is not None else None)
 
 
-_COMPLETE = sql(
-    f"""
+_COMPLETE_ROW = f"""
     UPDATE outbox.idempotency_keys
        SET status = 'completed', lock_token = NULL, locked_at = NULL, lock_expires_at = NULL,
            response_status = :status, response_headers = :headers, response_body = :body,
            completed_at = {_NOW}
      WHERE scope = :scope AND key = :key AND status = 'processing' AND lock_token = :token
     RETURNING 1
-    """
-)
+"""
+_COMPLETE = sql(_COMPLETE_ROW)
 
 
 def complete_claimed_key(
@@ -386,7 +389,59 @@ def complete_claimed_key(
         "scope": scope, "key": key, "token": token, "status": status,
         "headers": Jsonb(headers), "body": body, "now": now,
     }
-    return Query(_COMPLETE, params, _returned)
+    return Query(_COMPLETE, params, returned)
+
+
+# A key's completion carrying its request's deferred effects (`Claim.enqueue`): the key
+# write is the `written` CTE, the effects are written only if it wrote the key (a twin's
+# row there, or a phased claim taken over: no effect of ours is written), and the
+# doorbell rings for their queues at commit. One statement for what took two.
+_GATE = "EXISTS (SELECT 1 FROM written)"
+_EFFECTS_COLUMNS = """
+           ARRAY(SELECT effect_key FROM ins) AS inserted,
+           (SELECT count(*) FROM bell) AS rang
+"""
+
+
+def _carrying(row: str, *, suspects: bool) -> Statement:
+    extra = f", {_SUSPECTS_CTE}" if suspects else ""
+    columns = f"{_SUSPECTS_COLUMNS}," if suspects else ""
+    return sql(f"WITH written AS ({row}), {effects.EFFECT_CTES.format(gate=_GATE)}{extra}"
+               f" SELECT EXISTS (SELECT 1 FROM written) AS written, {columns}"
+               f" {_EFFECTS_COLUMNS}")
+
+
+_CARRYING: dict[Statement, Statement] = {
+    _INSERT_COMPLETED: _carrying(_INSERT_COMPLETED_ROW, suspects=False),
+    _INSERT_COMPLETED_WITH_SUSPECTS: _carrying(_INSERT_COMPLETED_HASHED_ROW, suspects=True),
+    _COMPLETE: _carrying(_COMPLETE_ROW, suspects=False),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """A key written with effects: `written` as the key write alone tells it, `key_write`
+    as the detecting statements tell it, and the effect keys that were new."""
+
+    written: bool
+    key_write: KeyWrite
+    inserted: frozenset[str]
+
+
+def with_effects(write: Query[Any], rows: Sequence[dict[str, Any]], channel: str
+                 ) -> Query[Completed]:
+    """`write` (a completing key write) carrying `rows` (as `insert_effects` takes them)."""
+    statement = _CARRYING[write.statement]
+    params = {**write.params, **effects.effect_params(rows, channel)}
+    return Query(statement, params, _completed)
+
+
+def _completed(result: Result) -> Completed:
+    row = result.one()
+    written = bool(row.written)
+    suspects = int(getattr(row, "suspects", 0) or 0)
+    return Completed(written, KeyWrite(written, suspects, getattr(row, "latest_key", None)),
+                     frozenset(row.inserted or ()))
 
 
 _RELEASE = sql(
@@ -400,7 +455,7 @@ _RELEASE = sql(
 
 def release_key(*, scope: str, key: str, token: uuid.UUID) -> Query[bool]:
     """Drop our own claim so the client's retry runs at once (never someone else's)."""
-    return Query(_RELEASE, {"scope": scope, "key": key, "token": token}, _returned)
+    return Query(_RELEASE, {"scope": scope, "key": key, "token": token}, returned)
 
 
 _PURGE_EXPIRED = sql(
