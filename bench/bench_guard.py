@@ -18,6 +18,9 @@ Parts, all on the same database and the same engine:
                usual case: nothing found)
      e_suspect d_detect where every request is the same payment (the worst case: each
                finds the last 100 keys of its scope, the cap)
+     f_deferred b_atomic with the 2 effects deferred to the key's completion
+               (`claim.enqueue_many`): lock + read, the order row, the key and its
+               effects in one statement: 1 commit, 2 statements of ours (b: 3)
    Per variant: requests/s, latency p50/p99 (ms), commits per request (counted by an
    engine `commit` listener). Ratios b/a and c/a of requests/s (and of p50), d/b and
    e/b (what detection costs).
@@ -86,7 +89,8 @@ from outbox.sql import keys as keysql  # noqa: E402
 
 MODES: tuple[Mode, ...] = ("atomic", "phased")
 BODY = {"amount": 42, "currency": "EUR", "customer": "bench"}
-VARIANTS = ("a_bare", "b_atomic", "c_phased", "d_detect", "e_suspect")
+VARIANTS = ("a_bare", "b_atomic", "c_phased", "d_detect", "e_suspect", "f_deferred")
+PARTS = ("throughput", "single", "storm", "f01")
 
 
 def same_payment(body: dict[str, Any]) -> str:
@@ -119,6 +123,7 @@ class Bench:
         self.guard = IdempotencyGuard(same_request=same_payment)
         self._commits = 0
         self._lock = threading.Lock()
+        self.storm_deferred = False  # the storm's work: effects deferred (--storm-deferred)
         self._insert = text(
             f"INSERT INTO {self.table} (key, amount) VALUES (:k, :a) RETURNING id")
         event.listen(engine, "commit", self._on_commit)
@@ -152,21 +157,27 @@ class Bench:
         with self.engine.begin() as conn:
             conn.execute(self._insert, {"k": key, "a": 42}).scalar_one()
 
-    def work(self, key: str) -> Callable[[Connection, Claim], StoredResponse]:
+    def work(self, key: str, deferred: bool = False
+             ) -> Callable[[Connection, Claim], StoredResponse]:
         def handler(conn: Connection, claim: Claim) -> StoredResponse:
             order_id = conn.execute(self._insert, {"k": key, "a": 42}).scalar_one()
-            enqueue_many(conn, [
+            pair = [
                 Effect("bench.charge", {"order_id": order_id, "amount": 42},
                        queue=self.queue),
                 Effect("bench.receipt", {"order_id": order_id}, queue=self.queue),
-            ], claim=claim)
+            ]
+            if deferred:
+                claim.enqueue_many(pair)
+            else:
+                enqueue_many(conn, pair, claim=claim)
             body = json.dumps({"id": order_id, "amount": 42, "status": "created"}).encode()
             return StoredResponse(201, (("content-type", "application/json"),), body)
         return handler
 
-    def guarded(self, scope: str, key: str, mode: Mode) -> Result:
+    def guarded(self, scope: str, key: str, mode: Mode, deferred: bool = False) -> Result:
         fp = fingerprint("POST", "/orders", BODY)
-        return self.guard.run(self.engine, scope, key, fp, self.work(key), mode=mode)
+        return self.guard.run(self.engine, scope, key, fp, self.work(key, deferred),
+                              mode=mode)
 
     def detecting(self, scope: str, key: str, same: bool) -> Result:
         """Atomic, with detection: a new payment per request, or always the same one."""
@@ -180,6 +191,8 @@ class Bench:
             self.bare(key)
         elif variant in ("b_atomic", "c_phased"):
             self.guarded(scope, key, "atomic" if variant == "b_atomic" else "phased")
+        elif variant == "f_deferred":
+            self.guarded(scope, key, "atomic", deferred=True)
         else:
             self.detecting(scope, key, same=variant == "e_suspect")
 
@@ -300,7 +313,7 @@ class Bench:
             barrier.wait(timeout=60)
             started = time.perf_counter()
             try:
-                result = self.guarded(scope, key, mode)
+                result = self.guarded(scope, key, mode, self.storm_deferred)
                 outcome = "replay" if result.replayed else str(result.response.status)
             except RequestInProgress as exc:
                 outcome = str(exc.status)
@@ -401,7 +414,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pool", type=int, default=50,
                         help="connections (default 50: a storm of 100 queues for them, as"
                         " in an app; kept modest because the server may be shared)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run (default: all of {PARTS})")
+    parser.add_argument("--storm-deferred", action="store_true",
+                        help="the storm's requests defer their effects (f_deferred's form)")
     args = parser.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts <= set(PARTS):
+        parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {PARTS}")
 
     t0 = time.perf_counter()
     suspects_log = logging.getLogger("outbox.idempotency")
@@ -424,32 +444,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.update(concurrency=args.concurrency, seconds_per_variant=args.seconds,
                       pool_size=pool_size, other_active_backends_before=busy_before)
         bench.setup()
-        log(f"throughput: {len(VARIANTS)} variants x {args.seconds:g} s, "
-            f"{args.concurrency} threads")
-        tp = bench.throughput(args.seconds, args.concurrency)
-        a, b, c = tp["a_bare"], tp["b_atomic"], tp["c_phased"]
-        d, e = tp["d_detect"], tp["e_suspect"]
-        report["throughput"] = tp
-        report["ratios"] = {
-            "b_over_a_rps": round(b["rps"] / a["rps"], 3),
-            "c_over_a_rps": round(c["rps"] / a["rps"], 3),
-            "b_over_a_p50": round(b["p50_ms"] / a["p50_ms"], 3),
-            "c_over_a_p50": round(c["p50_ms"] / a["p50_ms"], 3),
-            "d_over_b_rps": round(d["rps"] / b["rps"], 3),
-            "e_over_b_rps": round(e["rps"] / b["rps"], 3),
-            "d_over_b_p50": round(d["p50_ms"] / b["p50_ms"], 3),
-            "e_over_b_p50": round(e["p50_ms"] / b["p50_ms"], 3),
-        }
-        log(f"detection cost: {args.single} single-thread requests per variant")
-        report["detection_single_thread"] = bench.single(args.single)
-        log(f"storm: {args.storm_size} requests on one key x {args.storm_rounds} rounds")
-        report["storm"] = bench.storm(args.storm_size, args.storm_rounds)
-        log(f"f01: {args.trials} trials x {args.trial_size} same-key requests per mode")
-        report["f01"] = bench.f01(args.trials, args.trial_size)
-        report["f01"]["ok"] = all(
-            report["f01"][m]["executions_per_key_max"] == 1
-            and report["f01"][m]["executions_per_key_min"] == 1
-            and report["f01"][m]["other"] == 0 for m in MODES)
+        bench.storm_deferred = args.storm_deferred
+        report["f01"] = {"ok": True}
+        if "throughput" in parts:
+            throughput(bench, args, report)
+        if "single" in parts:
+            log(f"detection cost: {args.single} single-thread requests per variant")
+            report["detection_single_thread"] = bench.single(args.single)
+        if "storm" in parts:
+            log(f"storm: {args.storm_size} requests on one key x {args.storm_rounds} rounds"
+                + (" (effects deferred)" if args.storm_deferred else ""))
+            report["storm"] = bench.storm(args.storm_size, args.storm_rounds)
+            report["storm"]["deferred"] = args.storm_deferred
+        if "f01" in parts:
+            f01(bench, args, report)
         report["other_active_backends_after"] = other_active_backends(engine)
     finally:
         bench.cleanup()
@@ -457,6 +465,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(report, separators=(",", ":")), flush=True)
     return 0 if report["f01"]["ok"] else 1
+
+
+def throughput(bench: Bench, args: argparse.Namespace, report: dict[str, Any]) -> None:
+    log(f"throughput: {len(VARIANTS)} variants x {args.seconds:g} s, "
+        f"{args.concurrency} threads")
+    tp = bench.throughput(args.seconds, args.concurrency)
+    a, b, c = tp["a_bare"], tp["b_atomic"], tp["c_phased"]
+    d, e, f = tp["d_detect"], tp["e_suspect"], tp["f_deferred"]
+    report["throughput"] = tp
+    report["ratios"] = {
+        "b_over_a_rps": round(b["rps"] / a["rps"], 3),
+        "f_over_a_rps": round(f["rps"] / a["rps"], 3),
+        "f_over_b_rps": round(f["rps"] / b["rps"], 3),
+        "c_over_a_rps": round(c["rps"] / a["rps"], 3),
+        "b_over_a_p50": round(b["p50_ms"] / a["p50_ms"], 3),
+        "c_over_a_p50": round(c["p50_ms"] / a["p50_ms"], 3),
+        "d_over_b_rps": round(d["rps"] / b["rps"], 3),
+        "e_over_b_rps": round(e["rps"] / b["rps"], 3),
+        "d_over_b_p50": round(d["p50_ms"] / b["p50_ms"], 3),
+        "e_over_b_p50": round(e["p50_ms"] / b["p50_ms"], 3),
+    }
+
+
+def f01(bench: Bench, args: argparse.Namespace, report: dict[str, Any]) -> None:
+    log(f"f01: {args.trials} trials x {args.trial_size} same-key requests per mode")
+    report["f01"] = bench.f01(args.trials, args.trial_size)
+    report["f01"]["ok"] = all(
+        report["f01"][m]["executions_per_key_max"] == 1
+        and report["f01"][m]["executions_per_key_min"] == 1
+        and report["f01"][m]["other"] == 0 for m in MODES)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,14 @@ class Query(Generic[T]):
         return self.parse(await db.execute(self.statement, self.params))
 
 
+_TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+
+
+def _has_rows(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
+    result = cur.pgresult
+    return result is not None and result.status == _TUPLES_OK
+
+
 # -- sync ------------------------------------------------------------------------------
 
 
@@ -129,7 +137,9 @@ class SyncDB:
                     cur.adapters.register_loader("json", JsonLoader)
                     cur.adapters.register_loader("jsonb", JsonbLoader)
                 cur.execute(statement.sql, params)
-                rows = cur.fetchall() if cur.description is not None else []
+                # Whether rows came back, without `cur.description` (a Column object per
+                # column, built in Python on every execute).
+                rows = cur.fetchall() if _has_rows(cur) else []
                 return Result(rows, cur.rowcount)
         except psycopg.Error as exc:
             if self.wrap is None:
@@ -228,7 +238,7 @@ class AsyncDB:
             async with self.conn.cursor(row_factory=tuple_row if statement.tuples
                                         else namedtuple_row) as cur:
                 await cur.execute(statement.sql, params)
-                rows = await cur.fetchall() if cur.description is not None else []
+                rows = await cur.fetchall() if _has_rows(cur) else []
                 return Result(rows, cur.rowcount)
         except psycopg.Error as exc:
             if self.wrap is None:

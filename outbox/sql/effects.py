@@ -61,7 +61,8 @@ EFFECT_CTES = f"""
 
 _INSERT_EFFECTS = sql(
     "WITH" + EFFECT_CTES.format(gate="true")
-    + "SELECT id, effect_key FROM ins WHERE (SELECT count(*) FROM bell) >= 0"
+    + "SELECT id, effect_key FROM ins WHERE (SELECT count(*) FROM bell) >= 0",
+    tuples=True,
 )
 
 
@@ -92,7 +93,7 @@ def insert_effects(rows: Sequence[dict[str, Any]], channel: str,
 
 
 def _ids_by_key(result: Result) -> dict[str, int]:
-    return {row.effect_key: row.id for row in result}
+    return {effect_key: id_ for id_, effect_key in result}
 
 
 # Ids come from a sequence at INSERT, visibility at COMMIT: two transactions enqueueing

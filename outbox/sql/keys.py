@@ -141,7 +141,7 @@ _INSERT_COMPLETED_ROW = f"""
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
 """
-_INSERT_COMPLETED = sql(_INSERT_COMPLETED_ROW)
+_INSERT_COMPLETED = sql(_INSERT_COMPLETED_ROW, tuples=True)
 
 
 def insert_completed_key(
@@ -206,8 +206,8 @@ class KeyWrite:
 
 
 def _key_write(result: Result) -> KeyWrite:
-    row = result.one()
-    return KeyWrite(bool(row.written), int(row.suspects), row.latest_key)
+    written, suspects, latest_key = result.one()  # by position (tuples)
+    return KeyWrite(bool(written), int(suspects), latest_key)
 
 
 _INSERT_COMPLETED_HASHED_ROW = f"""
@@ -222,7 +222,7 @@ _INSERT_COMPLETED_HASHED_ROW = f"""
         RETURNING 1
 """
 _INSERT_COMPLETED_WITH_SUSPECTS = sql(
-    f"WITH written AS ({_INSERT_COMPLETED_HASHED_ROW}), {_SUSPECTS}")
+    f"WITH written AS ({_INSERT_COMPLETED_HASHED_ROW}), {_SUSPECTS}", tuples=True)
 
 
 def insert_completed_key_with_suspects(
@@ -301,7 +301,8 @@ _CLAIM_WITH_SUSPECTS = sql(
         ON CONFLICT (scope, key) DO NOTHING
         RETURNING 1),
     {_SUSPECTS}
-    """
+    """,
+    tuples=True,
 )
 
 
@@ -371,7 +372,7 @@ _COMPLETE_ROW = f"""
      WHERE scope = :scope AND key = :key AND status = 'processing' AND lock_token = :token
     RETURNING 1
 """
-_COMPLETE = sql(_COMPLETE_ROW)
+_COMPLETE = sql(_COMPLETE_ROW, tuples=True)
 
 
 def complete_claimed_key(
@@ -408,7 +409,7 @@ def _carrying(row: str, *, suspects: bool) -> Statement:
     columns = f"{_SUSPECTS_COLUMNS}," if suspects else ""
     return sql(f"WITH written AS ({row}), {effects.EFFECT_CTES.format(gate=_GATE)}{extra}"
                f" SELECT EXISTS (SELECT 1 FROM written) AS written, {columns}"
-               f" {_EFFECTS_COLUMNS}")
+               f" {_EFFECTS_COLUMNS}", tuples=True)
 
 
 _CARRYING: dict[Statement, Statement] = {
@@ -437,11 +438,11 @@ def with_effects(write: Query[Any], rows: Sequence[dict[str, Any]], channel: str
 
 
 def _completed(result: Result) -> Completed:
-    row = result.one()
-    written = bool(row.written)
-    suspects = int(getattr(row, "suspects", 0) or 0)
-    return Completed(written, KeyWrite(written, suspects, getattr(row, "latest_key", None)),
-                     frozenset(row.inserted or ()))
+    row = result.one()  # written, [suspects, latest_key,] inserted, rang: by position
+    written = bool(row[0])
+    suspects, latest_key = (int(row[1]), row[2]) if len(row) == 5 else (0, None)
+    return Completed(written, KeyWrite(written, suspects, latest_key),
+                     frozenset(row[-2] or ()))
 
 
 _RELEASE = sql(
