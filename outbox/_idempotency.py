@@ -2,9 +2,11 @@
 
 Two modes share one table (DESIGN.md §4):
 
-* atomic (default): an advisory xact lock makes a twin fail fast with 409, and the
-  key row is written `completed` in the same transaction as the business rows. One
-  commit per request; a crash rolls everything back, so nothing is left to heal.
+* atomic (default): an advisory xact lock makes a twin fail fast with 409 (taken with
+  the key's read in one call, `outbox.lock_and_read_key`), and the key row is written
+  `completed` in the same transaction as the business rows, with the effects the work
+  deferred to it (`Claim.enqueue`) in the same statement. One commit per request; a
+  crash rolls everything back, so nothing is left to heal.
 * phased: for handlers that must call out before they can answer. The claim commits
   first (twins see it), a TTL heals crashes, a takeover is a fenced conditional
   UPDATE, and completion only succeeds while our token still holds the key.
@@ -237,8 +239,9 @@ class Result:
     suspected_duplicates: int = 0
 
 
-def _ring_deferred(target: Any, claim: Claim) -> None:
-    """The doorbell for the queues of the claim's deferred effects, after the commit."""
+def ring_deferred(target: Any, claim: Claim) -> None:
+    """The doorbell for the queues of the claim's deferred effects, after the commit
+    of `target`'s transaction (a handle with no after-commit hook: nothing)."""
     if claim._deferred_calls:
         from outbox._enqueue import _ring_after_commit
 
@@ -593,13 +596,13 @@ class IdempotencyGuard:
         the key over, and letting it propagate rolls back this request's work.
         """
         drive(_require_transaction(target), self._complete(claim, response))
-        _ring_deferred(target, claim)
+        ring_deferred(target, claim)
 
     async def acomplete(self, target: Connectable, claim: Claim,
                         response: StoredResponse) -> None:
         await _arequire_transaction(target)
         await adrive(target, self._complete(claim, response))
-        _ring_deferred(target, claim)
+        ring_deferred(target, claim)
 
     # -- phased mode -----------------------------------------------------------------
 

@@ -204,7 +204,11 @@ def build_urls() -> types.ModuleType:
             cur.execute("INSERT INTO public.test_orders (key, amount) VALUES (%s, %s) "
                         "RETURNING id", [claim.key, amount])
             order_id = int(cur.fetchone()[0])
-        enqueue(connection, "psp.charge", {"order_id": order_id}, claim=claim, name="charge")
+        if FAIL.get("defer"):  # written with the completed key (Claim.enqueue)
+            claim.enqueue("psp.charge", {"order_id": order_id}, name="charge", queue="deferred")
+        else:
+            enqueue(connection, "psp.charge", {"order_id": order_id}, claim=claim,
+                    name="charge")
         if "entered" in GATE:
             GATE["entered"].set()
             GATE["release"].wait(20)
@@ -539,6 +543,29 @@ def test_created_then_replayed_byte_for_byte(dj: Engine, path: str) -> None:
     with dj.connect() as conn:
         key = conn.execute(text("SELECT scope, status FROM outbox.idempotency_keys")).one()
     assert tuple(key) == ("user:tester", "completed")
+
+
+@pytest.mark.parametrize("path", ["/orders", "/orders-phased"])
+def test_effects_deferred_to_the_key_commit_with_it_and_ring_after_commit(
+        dj: Engine, path: str) -> None:
+    """`request.idempotency.claim.enqueue(...)`: the effect is written by the statement
+    that completes the key, on Django's connection, and the doorbell rings from
+    on_commit; a replay writes and rings nothing; a view that raises writes nothing."""
+    FAIL["defer"] = True
+    try:
+        first = post(path, {"amount": 7}, key="deferred-1")
+        assert first.status_code == 201, first.content
+        assert RINGS == ["deferred"]
+        assert post(path, {"amount": 7}, key="deferred-1").content == first.content
+        assert RINGS == ["deferred"]
+        FAIL["raise"] = True
+        with pytest.raises(RuntimeError):
+            post(path, {"amount": 7}, key="deferred-2")
+    finally:
+        FAIL.clear()
+    assert orders(dj) == 1 and effects(dj) == 1
+    with dj.connect() as conn:
+        assert conn.execute(text("SELECT queue FROM outbox.effects")).scalar_one() == "deferred"
 
 
 def test_a_refreshed_token_replays_and_another_client_is_its_own_request(dj: Engine) -> None:

@@ -56,7 +56,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_rand
 from outbox import _web
 from outbox._canonical import fingerprint, parse_idempotency_key, parse_json_body
 from outbox._driver import drive
-from outbox._idempotency import Claim, IdempotencyGuard, Mode, StoredResponse
+from outbox._idempotency import Claim, IdempotencyGuard, Mode, StoredResponse, ring_deferred
 from outbox._web import (
     PROBLEM_MEDIA_TYPE,
     REPLAYED_HEADER,
@@ -586,6 +586,7 @@ class Idempotency:
                     request.idempotency = prepared
                     full, kept = self._stored(view(), request)
                     guard.complete(db, begun, kept)
+                    ring_deferred(connection_for(using), begun)  # on_commit
                     outcome = (full, False)
         assert outcome is not None
         return outcome
@@ -617,10 +618,11 @@ class Idempotency:
             outcome: tuple[StoredResponse, bool] | None = None
             for attempt in self._attempts(using):
                 with attempt:
-                    claimed._effect_counts.clear()
+                    claimed._reset()
                     with transaction.atomic(using=using):
                         full, kept = self._stored(view(), request)
                         guard.complete(outbox_db(using), claimed, kept)
+                        ring_deferred(connection_for(using), claimed)  # on_commit
                     outcome = (full, False)
             assert outcome is not None
             return outcome
