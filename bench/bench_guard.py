@@ -24,6 +24,8 @@ Parts, all on the same database and the same engine:
    Per variant: requests/s, latency p50/p99 (ms), commits per request (counted by an
    engine `commit` listener). Ratios b/a and c/a of requests/s (and of p50), d/b and
    e/b (what detection costs).
+1c. Client CPU per request (--parts cpu): one thread, a_bare / b_atomic / f_deferred in
+   8 interleaved blocks of 300 requests; the medians and a/b, a/f.
 1b. Detection cost per request, one thread, no contention: --single (1000) requests
    each of b_atomic, d_detect and e_suspect, interleaved b, d, e, b, d, e... so drift
    hits all alike; median and mean latency, and the differences to b_atomic in ms.
@@ -90,7 +92,7 @@ from outbox.sql import keys as keysql  # noqa: E402
 MODES: tuple[Mode, ...] = ("atomic", "phased")
 BODY = {"amount": 42, "currency": "EUR", "customer": "bench"}
 VARIANTS = ("a_bare", "b_atomic", "c_phased", "d_detect", "e_suspect", "f_deferred")
-PARTS = ("throughput", "single", "storm", "f01")
+PARTS = ("throughput", "cpu", "single", "storm", "f01")
 
 
 def same_payment(body: dict[str, Any]) -> str:
@@ -268,6 +270,33 @@ class Bench:
             out[f"{v}_minus_b_mean_ms"] = ms(
                 statistics.fmean(lat[v]) - statistics.fmean(lat["b_atomic"]))
         out["key_write_statement"] = self.key_write(n)
+        return out
+
+    def cpu(self, requests: int, rounds: int) -> dict[str, Any]:
+        """Part 1c: this process's CPU per request (client side: Python, psycopg, the
+        kernel's socket work), one thread, a_bare / b_atomic / f_deferred in `rounds`
+        interleaved blocks of `requests`; medians of the blocks. With 8 threads the
+        client process is CPU-bound on its GIL, so this is what the throughput ratio
+        follows on a box whose server has its own core."""
+        variants = ("a_bare", "b_atomic", "f_deferred")
+        per: dict[str, list[float]] = {v: [] for v in variants}
+        for variant in variants:  # warm plans and caches
+            for _ in range(100):
+                self.request(variant, f"bench:{self.run}:cpu-{variant}", uuid.uuid4().hex)
+        for _ in range(rounds):
+            for variant in variants:
+                scope = f"bench:{self.run}:cpu-{variant}"
+                started = time.process_time()
+                for _ in range(requests):
+                    self.request(variant, scope, uuid.uuid4().hex)
+                per[variant].append((time.process_time() - started) / requests)
+        out: dict[str, Any] = {"requests_per_block": requests, "blocks": rounds}
+        for v in variants:
+            out[f"{v}_cpu_ms"] = ms(statistics.median(per[v]))
+        out["a_over_b_cpu"] = round(statistics.median(per["a_bare"])
+                                    / statistics.median(per["b_atomic"]), 3)
+        out["a_over_f_cpu"] = round(statistics.median(per["a_bare"])
+                                    / statistics.median(per["f_deferred"]), 3)
         return out
 
     def key_write(self, n: int) -> dict[str, Any]:
@@ -448,6 +477,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["f01"] = {"ok": True}
         if "throughput" in parts:
             throughput(bench, args, report)
+        if "cpu" in parts:
+            log("client CPU per request: one thread, 8 blocks of 300 per variant")
+            report["client_cpu"] = bench.cpu(300, 8)
         if "single" in parts:
             log(f"detection cost: {args.single} single-thread requests per variant")
             report["detection_single_thread"] = bench.single(args.single)

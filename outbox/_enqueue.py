@@ -331,6 +331,9 @@ def defer(claim: Claim, effects: Iterable[Effect]) -> list[str]:
     with `enqueue`. An effect key the claim deferred already folds into the first, if
     it is the same effect (else EffectKeyConflict, now).
     """
+    if claim._completed:
+        raise RuntimeError("this claim is completed: an effect deferred now would never be "
+                           "written (defer before complete(), or use enqueue())")
     batch: Sequence[Effect] = list(effects)
     if not batch:
         return []

@@ -105,6 +105,11 @@ class Claim:
     # (key, kind, queue) per call, for the metrics and the doorbell.
     _deferred: dict[str, dict[str, Any]] = field(default_factory=dict)
     _deferred_calls: list[tuple[str, str, str]] = field(default_factory=list)
+    # What a retried transaction starts from (`_mark`: after a phased `prepare`), and
+    # whether `complete()` has written the key (a later `enqueue` would be lost).
+    _marked: tuple[dict[str, int], dict[str, dict[str, Any]],
+                   list[tuple[str, str, str]]] | None = None
+    _completed: bool = False
 
     def enqueue(self, kind: str, payload: Any, *, key: str | None = None,
                 name: str | None = None, ordering_key: str | None = None,
@@ -116,7 +121,9 @@ class Claim:
         and guarantees as `enqueue(conn, ..., claim=claim)`, one round trip fewer. It is
         checked and keyed now (bad input raises here); a key that exists with another
         effect raises EffectKeyConflict from `complete()`. Its id is not known before
-        then: use `enqueue()` when the work needs it. Never written without `complete()`.
+        then: use `enqueue()` when the work needs it. Never written without `complete()`
+        (after it, this raises). The ids come at `complete()`, after those of any
+        `enqueue()` in the same work: for one ordering key, use one of the two forms.
         """
         from outbox._enqueue import Effect
 
@@ -130,11 +137,19 @@ class Claim:
 
         return defer(self, effects)
 
+    def _mark(self) -> None:
+        """What every try of the work starts from: the effects deferred so far (by a
+        phased `prepare`)."""
+        self._marked = (dict(self._effect_counts), dict(self._deferred),
+                        list(self._deferred_calls))
+
     def _reset(self) -> None:
         """A retried transaction starts its effects again (the same keys, derived anew)."""
-        self._effect_counts.clear()
-        self._deferred.clear()
-        self._deferred_calls.clear()
+        counts, deferred, calls = self._marked or ({}, {}, [])
+        self._effect_counts = dict(counts)
+        self._deferred = dict(deferred)
+        self._deferred_calls = list(calls)
+        self._completed = False
 
     def effect_key(self, kind: str, name: str | None = None) -> str:
         """A deterministic key for the n-th effect of `kind` (or the one called `name`).
@@ -336,19 +351,24 @@ async def _atransaction(source: Any, *, read_committed: bool = False) -> AsyncIt
 
 
 _TRIES = 5
-_BACKOFF = wait_random_exponential(multiplier=0.01, max=0.2)
 
 
-def _retrying() -> dict[str, Any]:
-    """What follows a first try that failed transiently: the other tries, backing off
-    (the first wait included). A first try that succeeds never builds a Retrying
-    (~70 µs of a guarded request's CPU)."""
-    return {"retry": retry_if_exception(_is_transient), "stop": stop_after_attempt(_TRIES - 1),
-            "wait": _BACKOFF, "reraise": True}
+def _retrying(*, after_first: bool = False) -> dict[str, Any]:
+    """Up to 5 tries of a transaction that failed with a serialization failure or a
+    deadlock, each wait drawn from 0 to 10, 20, 40, 80 ms. `after_first`: the 4 tries
+    after a first one made outside tenacity (`_with_retries`, which waits the first
+    10 ms itself), with the same waits: a first try that succeeds never builds a
+    Retrying (~70 µs of a guarded request's CPU)."""
+    if after_first:
+        return {"retry": retry_if_exception(_is_transient),
+                "stop": stop_after_attempt(_TRIES - 1),
+                "wait": wait_random_exponential(multiplier=0.02, max=0.2), "reraise": True}
+    return {"retry": retry_if_exception(_is_transient), "stop": stop_after_attempt(_TRIES),
+            "wait": wait_random_exponential(multiplier=0.01, max=0.2), "reraise": True}
 
 
 def _first_wait() -> float:
-    """The wait before the second try, as `_BACKOFF` waits after a first attempt."""
+    """The wait before the second try: 0 to 10 ms, as tenacity's first wait."""
     return random.uniform(0, 0.01)
 
 
@@ -361,7 +381,7 @@ def _with_retries(attempt: Callable[[], T]) -> T:
         if not _is_transient(exc):
             raise
     time.sleep(_first_wait())
-    return Retrying(**_retrying())(attempt)
+    return Retrying(**_retrying(after_first=True))(attempt)
 
 
 async def _awith_retries(attempt: Callable[[], Awaitable[T]]) -> T:
@@ -371,7 +391,7 @@ async def _awith_retries(attempt: Callable[[], Awaitable[T]]) -> T:
         if not _is_transient(exc):
             raise
     await asyncio.sleep(_first_wait())
-    result: T = await AsyncRetrying(**_retrying())(attempt)
+    result: T = await AsyncRetrying(**_retrying(after_first=True))(attempt)
     return result
 
 
@@ -508,6 +528,7 @@ class IdempotencyGuard:
             idempotency_requests.add(1, {"outcome": "claim_lost"})
             raise ClaimLost("the idempotency key was taken over; this request's work "
                             "must roll back")
+        claim._completed = True
         idempotency_requests.add(1, {"outcome": "executed",
                                      "status_class": _status_class(response.status)})
 
@@ -687,6 +708,7 @@ class IdempotencyGuard:
         try:
             if prepare is not None:
                 prepare(claimed)
+            claimed._mark()
             def phased() -> Result:
                 claimed._reset()
                 with _transaction(engine) as conn:
@@ -738,6 +760,7 @@ class IdempotencyGuard:
         try:
             if prepare is not None:
                 await prepare(claimed)
+            claimed._mark()
             async def phased() -> Result:
                 claimed._reset()
                 async with _atransaction(engine) as conn:

@@ -1339,3 +1339,74 @@ def test_deferred_effects_on_an_async_session(db_url: str, engine: Engine) -> No
     keys = asyncio.run(main())
     assert len(keys) == 2 and effects(engine, "async-k") == 2
     assert key_status(engine, "async-k") == "completed"
+
+
+def test_effects_deferred_by_a_phased_prepare_survive_a_retried_transaction(
+        engine: Engine) -> None:
+    """`prepare(claim)` has no connection: `claim.enqueue` is how it adds an effect.
+    A serialization failure in the work retries the transaction; the prepared effect is
+    written once, with the work's, and nothing is deferred after the completion."""
+    guard = IdempotencyGuard()
+    tries: list[int] = []
+
+    def prepare(claim: Claim) -> None:
+        claim.enqueue("psp.authorize", {"order_key": "k", "step": "prepare"})
+
+    def work(conn: Connection, claim: Claim) -> StoredResponse:
+        tries.append(1)
+        claim.enqueue("psp.charge", {"order_key": "k", "step": "work"})
+        if len(tries) == 1:
+            raise_sqlstate(conn, "40001")
+        return StoredResponse(201)
+
+    guard.run(engine, SCOPE, "k", FP, work, mode="phased", prepare=prepare)
+    assert len(tries) == 2
+    with engine.connect() as conn:
+        steps = conn.execute(text("SELECT payload->>'step' FROM outbox.effects"
+                                  " ORDER BY id")).scalars().all()
+    assert steps == ["prepare", "work"]
+    done = guard.claim(engine, SCOPE, "other", FP)
+    assert isinstance(done, Claim)
+    with engine.begin() as conn:
+        guard.complete(conn, done, StoredResponse(201))
+    with pytest.raises(RuntimeError, match="completed"):
+        done.enqueue("psp.charge", {"late": True})
+
+
+def test_deferred_effects_with_duplicate_detection_in_one_statement(engine: Engine) -> None:
+    """The detecting key write (same_request=) carries the effects too: the other key of
+    the same payment is reported, and the effects are written."""
+    guard = IdempotencyGuard(same_request=lambda body: body["customer"])
+    body = {"customer": "c-1", "amount": 5}
+
+    def work(conn: Connection, claim: Claim) -> StoredResponse:
+        claim.enqueue("psp.charge", {"order_key": claim.key})
+        return StoredResponse(201)
+
+    first = guard.run(engine, SCOPE, "k1", FP, work, business_key=guard.business_key(body))
+    second = guard.run(engine, SCOPE, "k2", FP, work, business_key=guard.business_key(body))
+    assert (first.suspected_duplicates, second.suspected_duplicates) == (0, 1)
+    assert effects(engine, "k1") == 1 and effects(engine, "k2") == 1
+
+
+def test_deferred_effects_are_due_by_the_database_clock(engine: Engine) -> None:
+    """The guard's injectable clock times the key, not the effects: as with `enqueue`,
+    a deferred effect is due at the database's now() (plus its delay)."""
+    with engine.connect() as conn:
+        db_now = conn.execute(text("SELECT now()")).scalar_one()
+    guard = IdempotencyGuard(clock=lambda: db_now + timedelta(hours=1))
+
+    def work(conn: Connection, claim: Claim) -> StoredResponse:
+        claim.enqueue("psp.charge", {"order_key": "k"})
+        claim.enqueue("email.receipt", {"order_key": "k"}, delay=30)
+        return StoredResponse(201)
+
+    guard.run(engine, SCOPE, "k", FP, work)
+    with engine.connect() as conn:
+        due = conn.execute(text(
+            "SELECT extract(epoch FROM available_at - now()) FROM outbox.effects"
+            " ORDER BY id")).scalars().all()
+        created = conn.execute(text(
+            "SELECT created_at FROM outbox.idempotency_keys")).scalar_one()
+    assert due[0] <= 1 and 25 <= due[1] <= 31
+    assert created >= db_now + timedelta(minutes=59)  # the key: the guard's clock

@@ -33,6 +33,9 @@ _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 # on the source rows, so a statement that writes an idempotency key can carry the
 # effects of its request and write them only if the key was written
 # (keys.with_effects: `EXISTS (SELECT 1 FROM written)`).
+# The effects' own clock (`enqueue(clock=...)`), apart from a key write's `:now` when the
+# two share a statement.
+_EFFECT_NOW = "coalesce(CAST(:effect_now AS timestamptz), now())"
 EFFECT_CTES = f"""
     t AS MATERIALIZED (
         SELECT * FROM jsonb_to_recordset(CAST(:rows AS jsonb))
@@ -49,9 +52,9 @@ EFFECT_CTES = f"""
                (id, effect_key, kind, payload, headers, ordering_key, queue, max_attempts,
                 available_at, retry_until)
         SELECT keyed.effect_id, t.k, t.kind, t.p, t.h, t.ok, t.q, t.m,
-               {_NOW} + make_interval(secs => t.d),
+               {_EFFECT_NOW} + make_interval(secs => t.d),
                CASE WHEN t.ru IS NULL THEN NULL
-                    ELSE {_NOW} + make_interval(secs => t.ru) END
+                    ELSE {_EFFECT_NOW} + make_interval(secs => t.ru) END
           FROM t JOIN keyed ON keyed.effect_key = t.k
         RETURNING id, effect_key, queue
     ), bell AS (
@@ -66,9 +69,10 @@ _INSERT_EFFECTS = sql(
 )
 
 
-def effect_params(rows: Sequence[dict[str, Any]], channel: str) -> dict[str, Any]:
-    """The parameters of EFFECT_CTES (besides `now`) for these rows."""
-    return {"rows": _rows_json(rows), "channel": channel}
+def effect_params(rows: Sequence[dict[str, Any]], channel: str,
+                  now: datetime | None = None) -> dict[str, Any]:
+    """The parameters of EFFECT_CTES for these rows (`now`: None, the database's)."""
+    return {"rows": _rows_json(rows), "channel": channel, "effect_now": now}
 
 
 def _rows_json(rows: Sequence[dict[str, Any]]) -> str:
@@ -89,7 +93,7 @@ def insert_effects(rows: Sequence[dict[str, Any]], channel: str,
     Each row: key, kind, payload (JSON text), headers (the trace context, JSON text),
     ordering_key, queue, max_attempts, delay (s), retry_for (s|None).
     """
-    return Query(_INSERT_EFFECTS, {**effect_params(rows, channel), "now": now}, _ids_by_key)
+    return Query(_INSERT_EFFECTS, effect_params(rows, channel, now), _ids_by_key)
 
 
 def _ids_by_key(result: Result) -> dict[str, int]:
