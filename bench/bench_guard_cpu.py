@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Client CPU per guarded request, one thread, against any checkout: prints ONE JSON line.
+
+    uv run python bench/bench_guard_cpu.py [--tree PATH] [--requests 300] [--blocks 8]
+
+`--tree` is a checkout (a `git worktree` of an older commit, say) whose `outbox` package
+is imported instead of this one, so two trees can be compared in one sitting; give each
+tree its own database (DATABASE_URL), as each migrates it to its own head. Variants, in
+interleaved blocks of --requests each: `bare` (BEGIN; INSERT; COMMIT on a make_engine()
+Engine), `guarded` (guard.run, atomic, the order row and 2 effects by enqueue_many) and,
+where the tree has Claim.enqueue_many, `deferred` (the same 2 effects deferred to the
+key's write). Per variant the median over the blocks of process time per request (this
+process: Python, psycopg, the kernel's socket work), and bare / variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]))
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--blocks", type=int, default=8)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(args.tree).resolve()))
+
+    from sqlalchemy import text
+
+    from outbox import (
+        Claim,
+        Effect,
+        IdempotencyGuard,
+        StoredResponse,
+        enqueue_many,
+        fingerprint,
+        make_engine,
+    )
+    from outbox._config import database_url
+    from outbox._migrate import upgrade
+
+    upgrade(database_url())
+    engine = make_engine()
+    table = f"bench_guard_cpu_{uuid.uuid4().hex[:8]}"
+    scope = f"bench-cpu:{table}"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, key text NOT NULL,"
+                          " amount int NOT NULL)"))
+    insert = text(f"INSERT INTO {table} (key, amount) VALUES (:k, :a) RETURNING id")
+    guard = IdempotencyGuard()
+    body = {"amount": 42, "currency": "EUR", "customer": "bench"}
+
+    def work(key: str, deferred: bool) -> Callable[[Any, Any], StoredResponse]:
+        def run(conn: Any, claim: Any) -> StoredResponse:
+            order_id = conn.execute(insert, {"k": key, "a": 42}).scalar_one()
+            pair = [Effect("bench.charge", {"order_id": order_id, "amount": 42}, queue=scope),
+                    Effect("bench.receipt", {"order_id": order_id}, queue=scope)]
+            if deferred:
+                claim.enqueue_many(pair)
+            else:
+                enqueue_many(conn, pair, claim=claim)
+            return StoredResponse(201, (("content-type", "application/json"),),
+                                  json.dumps({"id": order_id}).encode())
+        return run
+
+    def bare() -> None:
+        with engine.begin() as conn:
+            conn.execute(insert, {"k": uuid.uuid4().hex, "a": 42}).scalar_one()
+
+    def guarded(deferred: bool = False) -> None:
+        key = uuid.uuid4().hex
+        guard.run(engine, scope, key, fingerprint("POST", "/orders", body), work(key, deferred))
+
+    variants: dict[str, Callable[[], None]] = {"bare": bare, "guarded": guarded}
+    if hasattr(Claim, "enqueue_many"):
+        variants["deferred"] = lambda: guarded(True)
+    per: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for fn in variants.values():  # warm plans, prepared statements and caches
+            for _ in range(200):
+                fn()
+        for _ in range(args.blocks):
+            for name, fn in variants.items():
+                started = time.process_time()
+                for _ in range(args.requests):
+                    fn()
+                per[name].append((time.process_time() - started) / args.requests)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
+            conn.execute(text("DELETE FROM outbox.effects WHERE queue = :q"), {"q": scope})
+            conn.execute(text("DELETE FROM outbox.idempotency_keys WHERE scope = :s"),
+                         {"s": scope})
+        engine.dispose()
+    medians = {name: statistics.median(values) for name, values in per.items()}
+    report: dict[str, Any] = {"bench": "guard_cpu", "tree": args.tree,
+                              "requests_per_block": args.requests, "blocks": args.blocks}
+    for name, value in medians.items():
+        report[f"{name}_cpu_ms"] = round(value * 1000, 3)
+        if name != "bare":
+            report[f"bare_over_{name}"] = round(medians["bare"] / value, 3)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
