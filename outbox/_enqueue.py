@@ -11,7 +11,7 @@ import json
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Container, Generator, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -301,17 +301,11 @@ def _insert(batch: Sequence[Effect], keys: list[str], unique: dict[str, dict[str
     ordering_keys = [r["ordering_key"] for r in unique.values() if r["ordering_key"]]
     if ordering_keys:  # per-key FIFO needs ids in commit order (see the statement)
         yield sql.lock_ordering_keys(ordering_keys)
+    now = clock()
     inserted: dict[str, int] = yield sql.insert_effects(
-        list(unique.values()), NOTIFY_CHANNEL, now=clock())
-    missing = [r for k, r in unique.items() if k not in inserted]
-    existing: dict[str, tuple[int, bool]] = (
-        (yield sql.match_existing_effects(missing)) if missing else {})
-    conflicts = [k for k, (_, same) in existing.items() if not same]
-    if conflicts:
-        raise EffectKeyConflict(conflicts)
-    gone = [r for r in missing if r["key"] not in existing]
-    if gone:  # purged between our insert and the lookup: insert those again
-        inserted.update((yield sql.insert_effects(gone, NOTIFY_CHANNEL, now=clock())))
+        list(unique.values()), NOTIFY_CHANNEL, now=now)
+    existing, again = yield from _settle(unique, inserted, now)
+    inserted.update(again)
     results: list[Enqueued] = []
     seen: set[str] = set()
     for key, effect in zip(keys, batch, strict=True):
@@ -322,6 +316,24 @@ def _insert(batch: Sequence[Effect], keys: list[str], unique: dict[str, dict[str
         effects_enqueued.add(1, {"kind": effect.kind, "queue": effect.queue,
                                  "result": "inserted" if fresh else "duplicate"})
     return results
+
+
+def _settle(rows: dict[str, dict[str, Any]], inserted: Container[str], now: Any
+            ) -> Generator[Query[Any], Any, tuple[dict[str, tuple[int, bool]], dict[str, int]]]:
+    """The rows an insert did not write: their key exists. The same effect is a duplicate
+    ({key: (id, True)}); another raises EffectKeyConflict; a key purged since our insert
+    is inserted again ({key: id}, the second value)."""
+    missing = [r for k, r in rows.items() if k not in inserted]
+    if not missing:
+        return {}, {}
+    existing: dict[str, tuple[int, bool]] = yield sql.match_existing_effects(missing)
+    conflicts = [k for k, (_, same) in existing.items() if not same]
+    if conflicts:
+        raise EffectKeyConflict(conflicts)
+    gone = [r for r in missing if r["key"] not in existing]
+    again: dict[str, int] = (
+        (yield sql.insert_effects(gone, NOTIFY_CHANNEL, now=now)) if gone else {})
+    return existing, again
 
 
 def defer(claim: Claim, effects: Iterable[Effect]) -> list[str]:
@@ -350,7 +362,7 @@ def defer(claim: Claim, effects: Iterable[Effect]) -> list[str]:
     return keys
 
 
-def write_deferred(claim: Claim, write: Query[Any], now: Any
+def write_deferred(claim: Claim, write: Query[Any]
                    ) -> Generator[Query[Any], Any, sql_keys.Completed]:
     """The key's completing `write` carrying the claim's deferred effects.
 
@@ -366,15 +378,8 @@ def write_deferred(claim: Claim, write: Query[Any], now: Any
     if not done.written:
         return done
     inserted = set(done.inserted)
-    missing = [r for k, r in claim._deferred.items() if k not in inserted]
-    existing: dict[str, tuple[int, bool]] = (
-        (yield sql.match_existing_effects(missing)) if missing else {})
-    conflicts = [k for k, (_, same) in existing.items() if not same]
-    if conflicts:
-        raise EffectKeyConflict(conflicts)
-    gone = [r for r in missing if r["key"] not in existing]
-    if gone:  # purged between our insert and the lookup: insert those again
-        inserted.update((yield sql.insert_effects(gone, NOTIFY_CHANNEL, now=now)))
+    _, again = yield from _settle(claim._deferred, inserted, None)  # the database's clock
+    inserted.update(again)
     seen: set[str] = set()
     for key, kind, queue in claim._deferred_calls:
         fresh = key in inserted and key not in seen

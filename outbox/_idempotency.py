@@ -509,7 +509,7 @@ class IdempotencyGuard:
         if claim._deferred:  # the deferred effects ride in the key's write
             from outbox._enqueue import write_deferred
 
-            done: sql.Completed = yield from write_deferred(claim, write, now)
+            done: sql.Completed = yield from write_deferred(claim, write)
             wrote: sql.KeyWrite | bool = done.key_write if business is not None else done.written
         else:
             wrote = yield write
