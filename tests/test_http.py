@@ -180,6 +180,23 @@ def library_app(engine: Engine, mode: Mode, **options: Any) -> LibraryApp:
                                 background=BackgroundTask(lib.tasks.append, oid))
         return req.run(work)
 
+    @app.post("/deferred")
+    def deferred(req: Req) -> Response:
+        def work(conn: Connection, claim: Claim) -> Response:
+            oid = order(conn, req.body)
+            claim.enqueue("psp.charge", {"order": oid}, queue="deferred-q")
+            return JSONResponse({"order": oid}, 201)
+        return req.run(work)
+
+    @app.post("/deferred-in")
+    def deferred_in(req: Req) -> Response:
+        def work(conn: Connection, claim: Claim) -> Response:
+            oid = order(conn, req.body)
+            claim.enqueue("psp.charge", {"order": oid}, queue="deferred-q")
+            return JSONResponse({"order": oid}, 201)
+        with engine.connect() as conn:  # the app's own connection
+            return req.run_in(conn, work)
+
     @app.post("/async")
     async def in_async(req: Req) -> Response:
         def work(conn: Connection, claim: Claim) -> Response:
@@ -635,6 +652,27 @@ def test_errors_raised_by_work_store_nothing(lib_client: TestClient, engine: Eng
     assert count(engine, "SELECT count(*) FROM outbox.idempotency_keys") == 0
     # The key is free: the same key now works for a request that succeeds elsewhere.
     assert lib_client.post("/a", json={"card": 1}, headers=key).status_code == 201
+
+
+@pytest.mark.parametrize("path", ["/deferred", "/deferred-in"])
+def test_effects_deferred_by_an_endpoint_are_written_with_the_key(
+        lib_client: TestClient, engine: Engine, path: str) -> None:
+    """`claim.enqueue` in a FastAPI endpoint (run, and run_in on the app's connection):
+    one effect per request, written with the key, the doorbell rung after the commit,
+    nothing more on the replay."""
+    from outbox import add_doorbell, remove_doorbell
+
+    rings: list[str] = []
+    add_doorbell(rings.append)
+    try:
+        key = {"Idempotency-Key": f"deferred-{path}"}
+        first = lib_client.post(path, json={"a": 1}, headers=key)
+        again = lib_client.post(path, json={"a": 1}, headers=key)
+    finally:
+        remove_doorbell(rings.append)
+    assert first.status_code == 201 and again.content == first.content
+    assert orders(engine) == 1 and rings == ["deferred-q"]
+    assert count(engine, "SELECT count(*) FROM outbox.effects WHERE queue = 'deferred-q'") == 1
 
 
 def test_async_endpoints_use_arun(lib_client: TestClient, engine: Engine) -> None:
