@@ -25,6 +25,8 @@ from outbox._connections import (
 from outbox.errors import ConfigurationError
 
 NOTIFY_CHANNEL = "outbox_due"
+#: An effect's attempts cap unless it says otherwise (`enqueue`, `Claim.enqueue`).
+DEFAULT_MAX_ATTEMPTS = 25
 
 
 def normalize_url(url: str) -> str:

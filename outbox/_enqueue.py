@@ -21,7 +21,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from sqlalchemy import event
 
 from outbox._canonical import MAX_KEY_LENGTH, _check_strings, parse_idempotency_key
-from outbox._config import NOTIFY_CHANNEL
+from outbox._config import DEFAULT_MAX_ATTEMPTS, NOTIFY_CHANNEL
 from outbox._driver import Query, adrive, drive
 from outbox._idempotency import Claim, Clock, Connectable, database_clock
 from outbox._telemetry import (
@@ -34,8 +34,6 @@ from outbox._telemetry import (
 from outbox.errors import EffectKeyConflict, InvalidIdempotencyKey, InvalidInput
 from outbox.sql import effects as sql
 from outbox.sql import keys as sql_keys
-
-DEFAULT_MAX_ATTEMPTS = 25
 
 #: Where an enqueue ran: (host, port, database) of its connection, as a doorbell that
 #: serves several databases needs it (None where the handle does not say).
@@ -298,24 +296,36 @@ def _rows_for(batch: Sequence[Effect], claim: Claim | None, headers: str
 def _insert(batch: Sequence[Effect], keys: list[str], unique: dict[str, dict[str, Any]],
             clock: Clock) -> Generator[Query[Any], Any, list[Enqueued]]:
     """The statements of one enqueue, once for sync and async (outbox/_driver.py)."""
-    ordering_keys = [r["ordering_key"] for r in unique.values() if r["ordering_key"]]
-    if ordering_keys:  # per-key FIFO needs ids in commit order (see the statement)
-        yield sql.lock_ordering_keys(ordering_keys)
+    yield from _lock_ordering_keys(unique.values())
     now = clock()
     inserted: dict[str, int] = yield sql.insert_effects(
         list(unique.values()), NOTIFY_CHANNEL, now=now)
     existing, again = yield from _settle(unique, inserted, now)
     inserted.update(again)
-    results: list[Enqueued] = []
+    calls = [(key, effect.kind, effect.queue) for key, effect in zip(keys, batch, strict=True)]
+    return [Enqueued(inserted.get(key) or existing[key][0], key, fresh)
+            for (key, _, _), fresh in zip(calls, _counted(calls, inserted), strict=True)]
+
+
+def _lock_ordering_keys(rows: Iterable[dict[str, Any]]) -> Generator[Query[Any], Any, None]:
+    """Per-key FIFO needs ids in commit order: the producer lock of each ordering key the
+    rows name, before their ids are drawn (see the statement)."""
+    ordering_keys = [r["ordering_key"] for r in rows if r["ordering_key"]]
+    if ordering_keys:
+        yield sql.lock_ordering_keys(ordering_keys)
+
+
+def _counted(calls: Sequence[tuple[str, str, str]], inserted: Container[str]) -> list[bool]:
+    """Per call (key, kind, queue): whether it wrote its row (the first call of a key that
+    was inserted) or was a duplicate; each counted in `outbox.effects.enqueued`."""
+    fresh: list[bool] = []
     seen: set[str] = set()
-    for key, effect in zip(keys, batch, strict=True):
-        fresh = key in inserted and key not in seen
+    for key, kind, queue in calls:
+        fresh.append(key in inserted and key not in seen)
         seen.add(key)
-        found = inserted.get(key) or existing[key][0]
-        results.append(Enqueued(found, key, fresh))
-        effects_enqueued.add(1, {"kind": effect.kind, "queue": effect.queue,
-                                 "result": "inserted" if fresh else "duplicate"})
-    return results
+        effects_enqueued.add(1, {"kind": kind, "queue": queue,
+                                 "result": "inserted" if fresh[-1] else "duplicate"})
+    return fresh
 
 
 def _settle(rows: dict[str, dict[str, Any]], inserted: Container[str], now: Any
@@ -371,21 +381,14 @@ def write_deferred(claim: Claim, write: Query[Any]
     (the transaction must roll back: complete() raises).
     """
     rows = list(claim._deferred.values())
-    ordering_keys = [r["ordering_key"] for r in rows if r["ordering_key"]]
-    if ordering_keys:  # as in `_insert`: ids of one ordering key in commit order
-        yield sql.lock_ordering_keys(ordering_keys)
+    yield from _lock_ordering_keys(rows)
     done: sql_keys.Completed = yield sql_keys.with_effects(write, rows, NOTIFY_CHANNEL)
-    if not done.written:
+    if not done.key_write.written:
         return done
     inserted = set(done.inserted)
     _, again = yield from _settle(claim._deferred, inserted, None)  # the database's clock
     inserted.update(again)
-    seen: set[str] = set()
-    for key, kind, queue in claim._deferred_calls:
-        fresh = key in inserted and key not in seen
-        seen.add(key)
-        effects_enqueued.add(1, {"kind": kind, "queue": queue,
-                                 "result": "inserted" if fresh else "duplicate"})
+    _counted(claim._deferred_calls, inserted)
     return done
 
 

@@ -48,7 +48,8 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from outbox._driver import Query, SyncDB, adrive, async_db, drive, sync_db
+from outbox._config import DEFAULT_MAX_ATTEMPTS
+from outbox._driver import AsyncDB, Query, SyncDB, adrive, async_db, drive, sync_db
 from outbox._telemetry import idempotency_requests, suspected_duplicates
 from outbox.errors import ClaimLost, KeyReused, RequestInProgress
 from outbox.sql import keys as sql
@@ -113,7 +114,8 @@ class Claim:
 
     def enqueue(self, kind: str, payload: Any, *, key: str | None = None,
                 name: str | None = None, ordering_key: str | None = None,
-                queue: str = "default", delay: float = 0.0, max_attempts: int = 25,
+                queue: str = "default", delay: float = 0.0,
+                max_attempts: int = DEFAULT_MAX_ATTEMPTS,
                 retry_for: float | None = None) -> str:
         """Defer an effect to this claim's `complete()`; returns its effect key.
 
@@ -291,10 +293,12 @@ def _require_transaction(handle: Any) -> SyncDB:
     return db
 
 
-async def _arequire_transaction(handle: Any) -> None:
-    if (await async_db(handle)).conn.autocommit:
+async def _arequire_transaction(handle: Any) -> AsyncDB:
+    db = await async_db(handle)
+    if db.conn.autocommit:
         raise TypeError("abegin()/acomplete() need a transaction: this connection is in "
                         "autocommit mode")
+    return db
 
 
 @contextmanager
@@ -506,19 +510,18 @@ class IdempotencyGuard:
                 scope=claim.scope, key=claim.key, token=claim.token,
                 status=response.status, headers=response.header_list(), body=response.body,
                 now=now)
+        wrote: sql.KeyWrite
         if claim._deferred:  # the deferred effects ride in the key's write
             from outbox._enqueue import write_deferred
 
-            done: sql.Completed = yield from write_deferred(claim, write)
-            wrote: sql.KeyWrite | bool = done.key_write if business is not None else done.written
+            wrote = (yield from write_deferred(claim, write)).key_write
         else:
-            wrote = yield write
-        if isinstance(wrote, sql.KeyWrite):
-            stored = wrote.written
-            if stored:
-                _suspects_found(claim, wrote)
-        else:
-            stored = bool(wrote)
+            alone = yield write
+            wrote = alone if isinstance(alone, sql.KeyWrite) else sql.KeyWrite(
+                bool(alone), 0, None)
+        stored = wrote.written
+        if stored and business is not None:
+            _suspects_found(claim, wrote)
         if not stored and claim.mode == "atomic":
             # The key's row is there though our read found none and we hold its lock: a
             # twin's, written without the lock or committed after our snapshot. Retry
@@ -605,8 +608,8 @@ class IdempotencyGuard:
                      business_key: str | None = None, same_request_window: float | None = None
                      ) -> Claim | StoredResponse:
         """`begin` on an async handle (psycopg AsyncConnection, SQLAlchemy async)."""
-        await _arequire_transaction(target)
-        result: Claim | StoredResponse = await adrive(target, self._begin(
+        db = await _arequire_transaction(target)
+        result: Claim | StoredResponse = await adrive(db, self._begin(
             scope, key, fingerprint, business_key, self._window(same_request_window)))
         return result
 
@@ -621,8 +624,7 @@ class IdempotencyGuard:
 
     async def acomplete(self, target: Connectable, claim: Claim,
                         response: StoredResponse) -> None:
-        await _arequire_transaction(target)
-        await adrive(target, self._complete(claim, response))
+        await adrive(await _arequire_transaction(target), self._complete(claim, response))
         ring_deferred(target, claim)
 
     # -- phased mode -----------------------------------------------------------------

@@ -7,9 +7,11 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, Row, text
 
 from outbox import Effect, enqueue_many
+from outbox._driver import sync_db
 
 
 def db_now(engine: Engine) -> datetime:
@@ -88,3 +90,20 @@ def summarize(values: Iterable[float]) -> dict[str, float]:
         return data[min(len(data) - 1, int(p * (len(data) - 1) + 0.5))]
 
     return {"n": len(data), "p50": pct(0.5), "p99": pct(0.99), "max": data[-1]}
+
+
+class CountingDriver:
+    """Runs a guard flow on a real connection, counting the statements it sends."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.db = sync_db(conn)
+        self.statements: list[str] = []
+
+    def drive(self, flow: Any) -> Any:
+        try:
+            query = next(flow)
+            while True:
+                self.statements.append(query.statement.sql.split()[0])
+                query = flow.send(query.parse(self.db.execute(query.statement, query.params)))
+        except StopIteration as done:
+            return done.value

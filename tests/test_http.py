@@ -180,22 +180,21 @@ def library_app(engine: Engine, mode: Mode, **options: Any) -> LibraryApp:
                                 background=BackgroundTask(lib.tasks.append, oid))
         return req.run(work)
 
-    @app.post("/deferred")
-    def deferred(req: Req) -> Response:
+    def deferring(req: Req) -> Callable[[Connection, Claim], Response]:
         def work(conn: Connection, claim: Claim) -> Response:
             oid = order(conn, req.body)
             claim.enqueue("psp.charge", {"order": oid}, queue="deferred-q")
             return JSONResponse({"order": oid}, 201)
-        return req.run(work)
+        return work
+
+    @app.post("/deferred")
+    def deferred(req: Req) -> Response:
+        return req.run(deferring(req))
 
     @app.post("/deferred-in")
     def deferred_in(req: Req) -> Response:
-        def work(conn: Connection, claim: Claim) -> Response:
-            oid = order(conn, req.body)
-            claim.enqueue("psp.charge", {"order": oid}, queue="deferred-q")
-            return JSONResponse({"order": oid}, 201)
         with engine.connect() as conn:  # the app's own connection
-            return req.run_in(conn, work)
+            return req.run_in(conn, deferring(req))
 
     @app.post("/async")
     async def in_async(req: Req) -> Response:

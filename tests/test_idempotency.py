@@ -50,6 +50,7 @@ from outbox.errors import (
 )
 from outbox.sql import dispatch
 from outbox.sql import keys as keysql
+from tests.dispatch_support import CountingDriver
 from tests.otel_helpers import span_exporter
 
 SCOPE = "tenant-1:POST /orders"
@@ -1144,25 +1145,6 @@ def test_enqueue_captures_the_active_trace(engine: Engine,
 
 # --- effects deferred to the key's completion (Claim.enqueue) ---------------------------
 
-class CountingDriver:
-    """Runs a guard flow on a real connection, counting the statements it sends."""
-
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        from outbox._driver import sync_db
-
-        self.db = sync_db(conn)
-        self.statements = 0
-
-    def drive(self, flow: Any) -> Any:
-        try:
-            query = next(flow)
-            while True:
-                self.statements += 1
-                query = flow.send(query.parse(self.db.execute(query.statement, query.params)))
-        except StopIteration as done:
-            return done.value
-
-
 def test_an_atomic_request_with_deferred_effects_sends_two_statements(
         engine: Engine, db_url: str) -> None:
     """The lock and read are one statement, the key and its effects another: two of
@@ -1181,12 +1163,12 @@ def test_an_atomic_request_with_deferred_effects_sends_two_statements(
                     Effect("email.receipt", {"order_key": key})]
             if form == "enqueue":
                 enqueue_many(conn, pair, claim=claim)
-                driver.statements += 1  # enqueue's own statement
+                driver.statements.append("WITH")  # enqueue's own statement
             else:
                 claim.enqueue_many(pair)
             driver.drive(guard._complete(claim, StoredResponse(201)))
             conn.commit()
-        sent[form] = driver.statements
+        sent[form] = len(driver.statements)
         assert effects(engine, key) == 2 and key_status(engine, key) == "completed"
     assert sent == {"deferred": 2, "deferred+ordering": 3, "enqueue": 3}
 

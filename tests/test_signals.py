@@ -41,7 +41,6 @@ from dispatcher.metrics import (
     read_snapshot,
 )
 from outbox import Claim, IdempotencyGuard, StoredResponse, fingerprint, ingest, make_engine
-from outbox._driver import sync_db
 from outbox._idempotency import SUSPECT_EVENT, Mode
 from outbox.http import (
     SUSPECTED_DUPLICATE_HEADER,
@@ -50,6 +49,7 @@ from outbox.http import (
     anonymous_scope,
     install_problem_handlers,
 )
+from tests.dispatch_support import CountingDriver
 from tests.otel_helpers import counter_points, metric_points, metric_reader, span_exporter
 
 with warnings.catch_warnings():  # starlette would rather have `httpx2`; httpx works
@@ -225,23 +225,6 @@ def test_nothing_declared_nothing_stored_and_a_broken_declaration_never_fails(
         assert conn.execute(text("SELECT count(*) FROM outbox.idempotency_keys"
                                  " WHERE business_hash IS NOT NULL")).scalar_one() == 0
     assert orders(engine) == 3
-
-
-class CountingDriver:
-    """Runs a guard flow on a real connection, counting the statements it sends."""
-
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        self.db = sync_db(conn)
-        self.statements: list[str] = []
-
-    def drive(self, flow: Any) -> Any:
-        try:
-            query = next(flow)
-            while True:
-                self.statements.append(query.statement.sql.split()[0])
-                query = flow.send(query.parse(self.db.execute(query.statement, query.params)))
-        except StopIteration as done:
-            return done.value
 
 
 @pytest.mark.parametrize("mode", MODES)

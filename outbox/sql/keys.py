@@ -66,20 +66,16 @@ def get_key(scope: str, key: str, now: datetime | None = None) -> Query[KeyRow |
 
 def _key_row(result: Result) -> KeyRow | None:
     row = result.first()
-    if row is None:
-        return None
-    body = row.response_body
-    return KeyRow(
-        status=row.status,
-        fingerprint=row.fingerprint,
-        lock_token=row.lock_token,
-        age=row.age,
-        lock_expired=row.lock_expired,
-        generation=row.generation,
-        response_status=row.response_status,
-        response_headers=row.response_headers,
-        response_body=bytes(body) if body is not None else None,
-    )
+    return None if row is None else _as_key_row(row)
+
+
+def _as_key_row(values: Sequence[Any]) -> KeyRow:
+    """KeyRow from its columns in order (`_GET`'s, `_LOCK_AND_READ`'s after `locked`)."""
+    (status, fingerprint, lock_token, age, lock_expired, generation, response_status,
+     response_headers, body) = values
+    return KeyRow(status, fingerprint, lock_token, age, lock_expired, generation,
+                  response_status, response_headers,
+                  bytes(body) if body is not None else None)
 
 
 # The atomic guard's first statement (migration 0009): the key's advisory lock, then its
@@ -121,15 +117,8 @@ def lock_and_read_key(lock_id: int, scope: str, key: str,
 def _locked(result: Result) -> Locked:
     if not result.rows:
         return _NEW_KEY
-    (locked, status, fingerprint, lock_token, age, lock_expired, generation,
-     response_status, response_headers, response_body) = result.rows[0]
-    if not locked:
-        return _HELD
-    return Locked(True, KeyRow(
-        status=status, fingerprint=fingerprint, lock_token=lock_token, age=age,
-        lock_expired=lock_expired, generation=generation, response_status=response_status,
-        response_headers=response_headers,
-        response_body=bytes(response_body) if response_body is not None else None))
+    locked, *columns = result.rows[0]
+    return Locked(True, _as_key_row(columns)) if locked else _HELD
 
 
 _INSERT_COMPLETED_ROW = f"""
@@ -421,10 +410,9 @@ _CARRYING: dict[Statement, Statement] = {
 
 @dataclass(frozen=True, slots=True)
 class Completed:
-    """A key written with effects: `written` as the key write alone tells it, `key_write`
-    as the detecting statements tell it, and the effect keys that were new."""
+    """A key written with effects: the key write (as the detecting statements tell it;
+    no suspects for the others) and the effect keys that were new."""
 
-    written: bool
     key_write: KeyWrite
     inserted: frozenset[str]
 
@@ -439,10 +427,8 @@ def with_effects(write: Query[Any], rows: Sequence[dict[str, Any]], channel: str
 
 def _completed(result: Result) -> Completed:
     row = result.one()  # written, [suspects, latest_key,] inserted, rang: by position
-    written = bool(row[0])
     suspects, latest_key = (int(row[1]), row[2]) if len(row) == 5 else (0, None)
-    return Completed(written, KeyWrite(written, suspects, latest_key),
-                     frozenset(row[-2] or ()))
+    return Completed(KeyWrite(bool(row[0]), suspects, latest_key), frozenset(row[-2] or ()))
 
 
 _RELEASE = sql(
