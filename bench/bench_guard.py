@@ -34,14 +34,21 @@ Parts, all on the same database and the same engine:
    statement with a new identity and with one that finds the cap, each committed
    (commit not timed), on one connection.
 2. Same-key storm: --storm-size (100) requests on ONE key released together by a
-   barrier, --storm-rounds (5) rounds per mode: latency p50/p99/max and the mix
-   (201 executed / 409 in progress / replay). The engine has --pool (50) connections,
-   opened up front and held for the run: beyond that, requests queue for one, as
-   they would in an application.
+   barrier, --storm-rounds (5) rounds per mode: latency p50/p99/max, the executing
+   request's latency, and the mix (201 executed / 409 in progress / replay). The
+   engine has --pool (50) connections, opened up front and held for the run: beyond
+   that, requests queue for one, as they would in an application. Three forms:
+     local      one process, the guard's default: twins of the request running here
+                answer 409 without a round trip (outbox/_inflight.py)
+     database   one process, `local_twins=False`: every twin asks PostgreSQL
+     processes  --storm-processes (4) processes of size/N threads each, started
+                together (by the clock): twins in other processes ask PostgreSQL,
+                as behind a load balancer
 3. F01 trial counter: --trials (200) trials per mode of 50 concurrent requests with one
-   key: executions per key (business rows per key, read back from the database; max
-   must be 1, min must be 1) and the counts of 201 / 409 / replay. The exit status is 1
-   if any key executed other than once.
+   key, every twin asking the database (`local_twins=False`: the protocol under test):
+   executions per key (business rows per key, read back from the database; max must
+   be 1, min must be 1) and the counts of 201 / 409 / replay. The exit status is 1 if
+   any key executed other than once.
 
 Database: $DATABASE_URL or the embedded server (outbox._config.database_url()),
 migrated with outbox._migrate.upgrade. Everything this run writes is tagged with a run
@@ -55,6 +62,7 @@ import argparse
 import json
 import logging
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -123,6 +131,8 @@ class Bench:
         self.table = f"bench_guard_orders_{run_id}"
         self.queue = f"bench-{run_id}"
         self.guard = IdempotencyGuard(same_request=same_payment)
+        # Every twin asks PostgreSQL: F01's protocol, and the storm's `database` form.
+        self.db_guard = IdempotencyGuard(same_request=same_payment, local_twins=False)
         self._commits = 0
         self._lock = threading.Lock()
         self.storm_deferred = False  # the storm's work: effects deferred (--storm-deferred)
@@ -176,10 +186,11 @@ class Bench:
             return StoredResponse(201, (("content-type", "application/json"),), body)
         return handler
 
-    def guarded(self, scope: str, key: str, mode: Mode, deferred: bool = False) -> Result:
+    def guarded(self, scope: str, key: str, mode: Mode, deferred: bool = False,
+                local: bool = True) -> Result:
         fp = fingerprint("POST", "/orders", BODY)
-        return self.guard.run(self.engine, scope, key, fp, self.work(key, deferred),
-                              mode=mode)
+        guard = self.guard if local else self.db_guard
+        return guard.run(self.engine, scope, key, fp, self.work(key, deferred), mode=mode)
 
     def detecting(self, scope: str, key: str, same: bool) -> Result:
         """Atomic, with detection: a new payment per request, or always the same one."""
@@ -335,14 +346,19 @@ class Bench:
     # -- parts 2 and 3: same-key storms ----------------------------------------------
 
     def _storm(self, pool: ThreadPoolExecutor, scope: str, key: str, mode: Mode,
-               size: int) -> list[tuple[str, float]]:
+               size: int, local: bool = True, at: float | None = None
+               ) -> list[tuple[str, float]]:
+        """`size` requests on one key, released together by a barrier (or, across
+        processes, at the wall-clock time `at`)."""
         barrier = threading.Barrier(size)
 
         def one() -> tuple[str, float]:
             barrier.wait(timeout=60)
+            if at is not None:
+                time.sleep(max(0.0, at - time.time()))
             started = time.perf_counter()
             try:
-                result = self.guarded(scope, key, mode, self.storm_deferred)
+                result = self.guarded(scope, key, mode, self.storm_deferred, local)
                 outcome = "replay" if result.replayed else str(result.response.status)
             except RequestInProgress as exc:
                 outcome = str(exc.status)
@@ -350,25 +366,28 @@ class Bench:
 
         return [f.result(timeout=120) for f in [pool.submit(one) for _ in range(size)]]
 
-    def storm(self, size: int, rounds: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"size": size, "rounds": rounds}
-        with ThreadPoolExecutor(size) as pool:
+    def storm(self, size: int, rounds: int, processes: int, connections: int
+              ) -> dict[str, Any]:
+        """The three forms of part 2, per mode, rounds interleaved form by form."""
+        out: dict[str, Any] = {"size": size, "rounds": rounds, "processes": processes}
+        forms = ("local", "database", "processes")
+        with ThreadPoolExecutor(size) as pool, StormChildren(
+                self, processes, size, connections) as kids:
             for mode in MODES:
-                scope = f"bench:{self.run}:storm-{mode}"
-                outcomes: list[tuple[str, float]] = []
+                outcomes: dict[str, list[tuple[str, float]]] = {f: [] for f in forms}
                 for r in range(rounds):
-                    outcomes += self._storm(pool, scope, f"storm-{r}", mode, size)
-                lat = [t for _, t in outcomes]
-                losers = [t for o, t in outcomes if o != "201"]
-                out[mode] = {
-                    "requests": len(outcomes),
-                    "p50_ms": ms(pct(lat, 50)),
-                    "p99_ms": ms(pct(lat, 99)),
-                    "max_ms": ms(max(lat)),
-                    "losers_p99_ms": ms(pct(losers, 99)),
-                    "mix": dict(Counter(o for o, _ in outcomes)),
-                }
-                log(f"storm {mode}: {out[mode]['mix']}")
+                    for form in forms:
+                        scope = f"bench:{self.run}:storm-{form}-{mode}"
+                        if form == "processes":
+                            outcomes[form] += kids.storm(scope, f"storm-{r}", mode)
+                        else:
+                            outcomes[form] += self._storm(pool, scope, f"storm-{r}", mode,
+                                                          size, local=form == "local")
+                for form in forms:
+                    out[f"{mode}_{form}"] = storm_summary(outcomes[form])
+                    log(f"storm {mode} {form}: p99 {out[f'{mode}_{form}']['p99_ms']} ms, "
+                        f"{out[f'{mode}_{form}']['mix']}")
+                out[mode] = out[f"{mode}_local"]  # the default's figure, as before
         return out
 
     def f01(self, trials: int, size: int) -> dict[str, Any]:
@@ -379,8 +398,8 @@ class Bench:
                 mix: Counter[str] = Counter()
                 started = time.perf_counter()
                 for trial in range(trials):
-                    mix.update(o for o, _ in
-                               self._storm(pool, scope, f"f01-{mode}-{trial}", mode, size))
+                    mix.update(o for o, _ in self._storm(
+                        pool, scope, f"f01-{mode}-{trial}", mode, size, local=False))
                     if (trial + 1) % 50 == 0:
                         log(f"f01 {mode}: {trial + 1}/{trials} trials")
                 with self.engine.connect() as conn:
@@ -399,6 +418,83 @@ class Bench:
                     "seconds": round(time.perf_counter() - started, 2),
                 }
         return out
+
+
+def storm_summary(outcomes: list[tuple[str, float]]) -> dict[str, Any]:
+    lat = [t for _, t in outcomes]
+    executed = [t for o, t in outcomes if o == "201"]
+    return {
+        "requests": len(outcomes),
+        "p50_ms": ms(pct(lat, 50)),
+        "p99_ms": ms(pct(lat, 99)),
+        "max_ms": ms(max(lat)),
+        "losers_p99_ms": ms(pct([t for o, t in outcomes if o != "201"], 99)),
+        "executed_median_ms": ms(statistics.median(executed)) if executed else None,
+        "mix": dict(Counter(o for o, _ in outcomes)),
+    }
+
+
+class StormChildren:
+    """--storm-processes processes of this script (`--storm-child`), each with its own
+    engine (--pool / N connections), guard and size/N threads on the run's table; one
+    storm at a time, started
+    by the wall clock 0.3 s after the order goes out."""
+
+    def __init__(self, bench: Bench, processes: int, size: int, pool: int) -> None:
+        self.bench, self.processes, self.size = bench, processes, size
+        self.pool = max(2, pool // processes)  # the same connections in all as one process
+        self.kids: list[subprocess.Popen[str]] = []
+
+    def __enter__(self) -> StormChildren:
+        per = self.size // self.processes
+        for _ in range(self.processes):
+            self.kids.append(subprocess.Popen(
+                [sys.executable, __file__, "--storm-child", self.bench.run,
+                 "--storm-size", str(per), "--pool", str(self.pool)] + (["--storm-deferred"]
+                                              if self.bench.storm_deferred else []),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for kid in self.kids:  # each says "ready" once its pool is open
+            assert kid.stdout is not None and json.loads(kid.stdout.readline())["ready"]
+        return self
+
+    def storm(self, scope: str, key: str, mode: Mode) -> list[tuple[str, float]]:
+        order = json.dumps({"scope": scope, "key": key, "mode": mode,
+                            "at": time.time() + 0.3})
+        for kid in self.kids:
+            assert kid.stdin is not None
+            kid.stdin.write(order + "\n")
+            kid.stdin.flush()
+        outcomes: list[tuple[str, float]] = []
+        for kid in self.kids:
+            assert kid.stdout is not None
+            outcomes += [(o, t) for o, t in json.loads(kid.stdout.readline())["outcomes"]]
+        return outcomes
+
+    def __exit__(self, *exc: object) -> None:
+        for kid in self.kids:
+            if kid.stdin is not None:
+                kid.stdin.close()
+        for kid in self.kids:
+            kid.wait(timeout=30)
+
+
+def storm_child(run_id: str, size: int, connections: int, deferred: bool) -> int:
+    """One of StormChildren: storms on order (one JSON line on stdin each), their
+    outcomes as one JSON line each on stdout."""
+    engine = make_engine(database_url(), application_name="bench-guard",
+                         pool_size=connections, max_overflow=0, pool_timeout=120)
+    hold_pool(engine, connections)
+    bench = Bench(engine, run_id)
+    bench.storm_deferred = deferred
+    print(json.dumps({"ready": True}), flush=True)
+    with ThreadPoolExecutor(size) as pool:
+        for line in sys.stdin:
+            order = json.loads(line)
+            outcomes = bench._storm(pool, order["scope"], order["key"], order["mode"], size,
+                                    local=True, at=order["at"])
+            print(json.dumps({"outcomes": outcomes}), flush=True)
+    engine.dispose()
+    return 0
 
 
 def hold_pool(engine: Engine, size: int, patience: float = 60.0) -> None:
@@ -447,7 +543,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"comma-separated parts to run (default: all of {PARTS})")
     parser.add_argument("--storm-deferred", action="store_true",
                         help="the storm's requests defer their effects (f_deferred's form)")
+    parser.add_argument("--storm-processes", type=int, default=4,
+                        help="processes of the storm's `processes` form (default 4)")
+    parser.add_argument("--storm-child", metavar="RUN", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.storm_child:
+        return storm_child(args.storm_child, args.storm_size, args.pool, args.storm_deferred)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not parts <= set(PARTS):
         parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {PARTS}")
@@ -486,7 +587,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "storm" in parts:
             log(f"storm: {args.storm_size} requests on one key x {args.storm_rounds} rounds"
                 + (" (effects deferred)" if args.storm_deferred else ""))
-            report["storm"] = bench.storm(args.storm_size, args.storm_rounds)
+            report["storm"] = bench.storm(args.storm_size, args.storm_rounds,
+                                          args.storm_processes, pool_size)
             report["storm"]["deferred"] = args.storm_deferred
         if "f01" in parts:
             f01(bench, args, report)

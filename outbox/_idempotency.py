@@ -33,7 +33,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, TypeVar
@@ -50,6 +50,7 @@ from tenacity import (
 
 from outbox._config import DEFAULT_MAX_ATTEMPTS
 from outbox._driver import AsyncDB, Query, SyncDB, adrive, async_db, drive, sync_db
+from outbox._inflight import database_of, in_flight
 from outbox._telemetry import idempotency_requests, suspected_duplicates
 from outbox.errors import ClaimLost, KeyReused, RequestInProgress
 from outbox.sql import keys as sql
@@ -417,8 +418,10 @@ class IdempotencyGuard:
     def __init__(self, *, ttl: float = 60.0, retention: float = 86_400.0,
                  retry_after: int = 1, lock_timeout_ms: int = 2_000,
                  clock: Clock = database_clock, same_request: SameRequest | None = None,
-                 same_request_window: float = DEFAULT_SAME_REQUEST_WINDOW) -> None:
+                 same_request_window: float = DEFAULT_SAME_REQUEST_WINDOW,
+                 local_twins: bool = True) -> None:
         self.ttl = ttl
+        self.local_twins = local_twins
         self.retention = retention
         self.retry_after = retry_after
         self.lock_timeout_ms = lock_timeout_ms
@@ -666,6 +669,20 @@ class IdempotencyGuard:
 
     # -- the whole protocol ------------------------------------------------------------
 
+    def in_flight(self, handle: Any, scope: str, key: str, fingerprint: str
+                  ) -> AbstractContextManager[None]:
+        """Hold the key as running in this process for the block; a twin with the same
+        fingerprint that arrives meanwhile gets RequestInProgress without a round trip
+        (outbox/_inflight.py). `run`, `arun` and the HTTP integrations hold it."""
+        if not self.local_twins:
+            return nullcontext()
+        return in_flight.hold(database_of(handle), scope, key, fingerprint, self.ttl,
+                              self._busy)
+
+    def _busy(self) -> RequestInProgress:
+        idempotency_requests.add(1, {"outcome": "in_progress"})
+        return RequestInProgress(retry_after=self.retry_after)
+
     def run(
         self,
         engine: Any,
@@ -688,7 +705,17 @@ class IdempotencyGuard:
         I/O. A serialization failure or deadlock retries the transaction (at most 5
         tries); any other exception releases the claim. `business_key` (from
         `business_key(body)`): see the class; `Result.suspected_duplicates` tells.
+        A twin of a request running in this process answers 409 at once (`in_flight`).
         """
+        with self.in_flight(engine, scope, key, fingerprint):
+            return self._run(engine, scope, key, fingerprint, work, mode=mode,
+                             prepare=prepare, business_key=business_key,
+                             same_request_window=same_request_window)
+
+    def _run(self, engine: Any, scope: str, key: str, fingerprint: str,
+             work: Callable[[Any, Claim], StoredResponse], *, mode: Mode,
+             prepare: Callable[[Claim], None] | None, business_key: str | None,
+             same_request_window: float | None) -> Result:
         if mode == "atomic":
             def atomic() -> Result:
                 with _transaction(engine) as conn:
@@ -740,6 +767,15 @@ class IdempotencyGuard:
     ) -> Result:
         """`run` for async code: `engine` is a SQLAlchemy AsyncEngine (work gets an
         AsyncConnection) or a psycopg AsyncConnection; `work` and `prepare` are awaited."""
+        with self.in_flight(engine, scope, key, fingerprint):
+            return await self._arun(engine, scope, key, fingerprint, work, mode=mode,
+                                    prepare=prepare, business_key=business_key,
+                                    same_request_window=same_request_window)
+
+    async def _arun(self, engine: Any, scope: str, key: str, fingerprint: str,
+                    work: Callable[[Any, Claim], Awaitable[StoredResponse]], *, mode: Mode,
+                    prepare: Callable[[Claim], Awaitable[None]] | None,
+                    business_key: str | None, same_request_window: float | None) -> Result:
         if mode == "atomic":
             async def atomic() -> Result:
                 async with _atransaction(engine) as conn:

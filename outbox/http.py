@@ -670,32 +670,38 @@ class IdempotentRequest(Generic[M]):
         cfg = self.config
         sent: list[tuple[StoredResponse, Response | StoredResponse]] = []
         try:
-            for attempt in Retrying(**_retrying()):
-                with attempt:
-                    try:
-                        begun = cfg.guard.begin(
-                            handle, self.scope, self.key, self.fingerprint,
-                            business_key=self.business_key,
-                            same_request_window=cfg.same_request_window)
-                        if isinstance(begun, StoredResponse):
-                            handle.commit()
-                            return self._finish(Result(begun, replayed=True), sent)
-                        original = work(handle, begun)
-                        full = cfg.to_stored(original)
-                        stored = cfg.replayable(full, keep_body=cfg.keeps_body(original))
-                        cfg.guard.complete(handle, begun, stored)
-                        handle.commit()
-                    except BaseException:
-                        handle.rollback()
-                        raise
-                    sent[:] = [(full, original)]
-                    return _flag_suspect(self._finish(Result(stored, replayed=False), sent),
-                                         cfg, begun.suspected_duplicates)
+            with cfg.guard.in_flight(handle, self.scope, self.key, self.fingerprint):
+                return self._run_in(handle, work, sent)
         except Exception as exc:
             mapped = self._problem(exc)
             if mapped is exc:
                 raise
             raise mapped from exc
+
+    def _run_in(self, handle: Any, work: Work,
+                sent: list[tuple[StoredResponse, Response | StoredResponse]]) -> Response:
+        cfg = self.config
+        for attempt in Retrying(**_retrying()):
+            with attempt:
+                try:
+                    begun = cfg.guard.begin(
+                        handle, self.scope, self.key, self.fingerprint,
+                        business_key=self.business_key,
+                        same_request_window=cfg.same_request_window)
+                    if isinstance(begun, StoredResponse):
+                        handle.commit()
+                        return self._finish(Result(begun, replayed=True), sent)
+                    original = work(handle, begun)
+                    full = cfg.to_stored(original)
+                    stored = cfg.replayable(full, keep_body=cfg.keeps_body(original))
+                    cfg.guard.complete(handle, begun, stored)
+                    handle.commit()
+                except BaseException:
+                    handle.rollback()
+                    raise
+                sent[:] = [(full, original)]
+                return _flag_suspect(self._finish(Result(stored, replayed=False), sent),
+                                     cfg, begun.suspected_duplicates)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def arun_in(self, handle: Any, work: AsyncWork) -> Response:
@@ -704,30 +710,37 @@ class IdempotentRequest(Generic[M]):
         cfg = self.config
         sent: list[tuple[StoredResponse, Response | StoredResponse]] = []
         try:
-            async for attempt in AsyncRetrying(**_retrying()):
-                with attempt:
-                    try:
-                        begun = await cfg.guard.abegin(
-                            handle, self.scope, self.key, self.fingerprint,
-                            business_key=self.business_key,
-                            same_request_window=cfg.same_request_window)
-                        if isinstance(begun, StoredResponse):
-                            await handle.commit()
-                            return self._finish(Result(begun, replayed=True), sent)
-                        original = await work(handle, begun)
-                        full = cfg.to_stored(original)
-                        stored = cfg.replayable(full, keep_body=cfg.keeps_body(original))
-                        await cfg.guard.acomplete(handle, begun, stored)
-                        await handle.commit()
-                    except BaseException:
-                        await handle.rollback()
-                        raise
-                    sent[:] = [(full, original)]
-                    return _flag_suspect(self._finish(Result(stored, replayed=False), sent),
-                                         cfg, begun.suspected_duplicates)
+            with cfg.guard.in_flight(handle, self.scope, self.key, self.fingerprint):
+                return await self._arun_in(handle, work, sent)
         except Exception as exc:
             mapped = self._problem(exc)
             if mapped is exc:
                 raise
             raise mapped from exc
+
+    async def _arun_in(self, handle: Any, work: AsyncWork,
+                       sent: list[tuple[StoredResponse, Response | StoredResponse]]
+                       ) -> Response:
+        cfg = self.config
+        async for attempt in AsyncRetrying(**_retrying()):
+            with attempt:
+                try:
+                    begun = await cfg.guard.abegin(
+                        handle, self.scope, self.key, self.fingerprint,
+                        business_key=self.business_key,
+                        same_request_window=cfg.same_request_window)
+                    if isinstance(begun, StoredResponse):
+                        await handle.commit()
+                        return self._finish(Result(begun, replayed=True), sent)
+                    original = await work(handle, begun)
+                    full = cfg.to_stored(original)
+                    stored = cfg.replayable(full, keep_body=cfg.keeps_body(original))
+                    await cfg.guard.acomplete(handle, begun, stored)
+                    await handle.commit()
+                except BaseException:
+                    await handle.rollback()
+                    raise
+                sent[:] = [(full, original)]
+                return _flag_suspect(self._finish(Result(stored, replayed=False), sent),
+                                     cfg, begun.suspected_duplicates)
         raise AssertionError("unreachable")  # pragma: no cover

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from sqlalchemy import Connection, Engine, make_url, text
+from sqlalchemy import Connection, Engine, event, make_url, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -40,6 +40,7 @@ from outbox import (
     remove_doorbell,
 )
 from outbox._idempotency import Mode, advisory_lock_id
+from outbox._inflight import in_flight
 from outbox.errors import (
     ClaimLost,
     EffectKeyConflict,
@@ -278,10 +279,14 @@ def check_storm(outcomes: list[tuple[Outcome, float]]) -> Counter[str]:
 
 # --- F01 concurrent identical requests -------------------------------------------------
 
+@pytest.mark.parametrize("local_twins", [False, True], ids=["database", "local-twins"])
 @pytest.mark.parametrize("mode", MODES)
 def test_f01_fifty_identical_requests_execute_once(storm_engine: Engine, engine: Engine,
-                                                   mode: Mode, effect_form: str) -> None:
-    guard = IdempotencyGuard()
+                                                   mode: Mode, effect_form: str,
+                                                   local_twins: bool) -> None:
+    """`database`: every twin asks PostgreSQL, as twins in other processes do;
+    `local-twins`: the default, twins of a request running here answer at once."""
+    guard = IdempotencyGuard(local_twins=local_twins)
     threads, trials = 50, 10
     mix: Counter[str] = Counter()
     with ThreadPoolExecutor(threads) as pool:
@@ -311,7 +316,7 @@ def test_f01_storm_at_higher_isolation_still_executes_once(
     """At RR/SERIALIZABLE a twin's snapshot can predate the winner's commit: the unique
     backstop then raises 40001 and the retry replays. Never a 500, never a double."""
     strict = storm_engine.execution_options(isolation_level=isolation)
-    guard = IdempotencyGuard()
+    guard = IdempotencyGuard(local_twins=False)  # the database's answers, under test
     threads = 30
     with ThreadPoolExecutor(threads) as pool:
         for trial in range(3):
@@ -602,7 +607,7 @@ def test_f06_take_over_statement_is_a_compare_and_set(storm_engine: Engine,
 @pytest.mark.parametrize("trial", range(2))
 def test_f06_mixed_mode_retakers_execute_once(storm_engine: Engine, engine: Engine,
                                               trial: int) -> None:
-    guard = IdempotencyGuard(ttl=60)
+    guard = IdempotencyGuard(ttl=60, local_twins=False)  # every racer reaches the database
     racers = 20
     with ThreadPoolExecutor(racers) as pool:
         for round_ in range(10):
@@ -642,8 +647,10 @@ def test_f05_zombie_completion_is_fenced_and_rolls_back(engine: Engine, effect_f
 
 def test_f05_zombie_run_versus_retaker_run(engine: Engine) -> None:
     """Through run(): the retaker's enqueue waits on the zombie's uncommitted effect rows
-    (same derived keys), the zombie is fenced and rolls back, then the retaker commits."""
-    guard = IdempotencyGuard(ttl=60)
+    (same derived keys), the zombie is fenced and rolls back, then the retaker commits.
+    The TTL passes by `backdate` in the database only, so the zombie's entry among this
+    process's requests in flight would still be fresh: every twin asks the database."""
+    guard = IdempotencyGuard(ttl=60, local_twins=False)
     in_work, resume = threading.Event(), threading.Event()
 
     def zombie_work(conn: Connection, claim: Claim) -> StoredResponse:
@@ -1392,3 +1399,163 @@ def test_deferred_effects_are_due_by_the_database_clock(engine: Engine) -> None:
             "SELECT created_at FROM outbox.idempotency_keys")).scalar_one()
     assert due[0] <= 1 and 25 <= due[1] <= 31
     assert created >= db_now + timedelta(minutes=59)  # the key: the guard's clock
+
+
+# --- twins of a request running in this process (outbox/_inflight.py) -------------------
+
+class CheckoutsByThread:
+    """Counts each thread's connection checkouts from an engine's pool: a request that
+    asks the database checks one out (our statements bypass SQLAlchemy's execute
+    events: they go to psycopg's cursor)."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng = eng
+        self.counts: Counter[int] = Counter()
+
+    def __enter__(self) -> CheckoutsByThread:
+        event.listen(self.eng, "checkout", self._count)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        event.remove(self.eng, "checkout", self._count)
+
+    def _count(self, *_: Any) -> None:
+        self.counts[threading.get_ident()] += 1
+
+
+def twin(guard: IdempotencyGuard, eng: Engine, key: str, fp: str = FP,
+         mode: Mode = "atomic") -> tuple[Outcome | KeyReused, int]:
+    """One request on `key` from its own thread: (its outcome, that thread's id)."""
+    try:
+        out: Outcome | KeyReused = guard.run(eng, SCOPE, key, fp, make_work(key), mode=mode)
+    except (RequestInProgress, KeyReused) as exc:
+        out = exc
+    return out, threading.get_ident()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_twins_of_a_request_running_here_answer_409_without_a_round_trip(
+        engine: Engine, mode: Mode) -> None:
+    guard = IdempotencyGuard()
+    inside, go_on = threading.Event(), threading.Event()
+
+    def held(conn: Connection, claim: Claim) -> None:
+        inside.set()
+        assert go_on.wait(timeout=10)
+
+    with ThreadPoolExecutor(11) as pool, CheckoutsByThread(engine) as sent:
+        first = pool.submit(guard.run, engine, SCOPE, "k", FP,
+                            make_work("k", hook=held), mode=mode)
+        assert inside.wait(timeout=10)
+        started = time.monotonic()
+        twins = [f.result(timeout=10) for f in
+                 [pool.submit(twin, guard, engine, "k", FP, mode) for _ in range(10)]]
+        elapsed = time.monotonic() - started
+        other_scope = guard.run(engine, "other-scope", "k", FP, make_work("k-other"))
+        go_on.set()
+        assert not first.result(timeout=10).replayed
+    assert all(isinstance(out, RequestInProgress) and out.status == 409
+               and out.retry_after == 1 for out, _ in twins)
+    assert sum(sent.counts[ident] for _, ident in twins) == 0  # not one connection
+    assert elapsed < 2.0
+    assert not other_scope.replayed  # another scope's key is another request
+    assert len(in_flight) == 0
+    replay = guard.run(engine, SCOPE, "k", FP, make_work("k"), mode=mode)
+    assert replay.replayed and orders(engine, "k") == 1 and effects(engine, "k") == 2
+
+
+def test_a_twin_with_another_body_is_answered_by_the_database(engine: Engine) -> None:
+    """409 while the first runs (from PostgreSQL: its lock), 422 once it is stored."""
+    guard = IdempotencyGuard()
+    inside, go_on = threading.Event(), threading.Event()
+
+    def held(conn: Connection, claim: Claim) -> None:
+        inside.set()
+        assert go_on.wait(timeout=10)
+
+    with ThreadPoolExecutor(2) as pool, CheckoutsByThread(engine) as sent:
+        first = pool.submit(guard.run, engine, SCOPE, "k", FP, make_work("k", hook=held))
+        assert inside.wait(timeout=10)
+        out, ident = pool.submit(twin, guard, engine, "k", "another-fingerprint").result(10)
+        assert isinstance(out, RequestInProgress) and sent.counts[ident] > 0
+        go_on.set()
+        first.result(timeout=10)
+    out, _ = twin(guard, engine, "k", "another-fingerprint")
+    assert isinstance(out, KeyReused) and out.status == 422
+    assert orders(engine, "k") == 1
+
+
+def test_a_request_past_its_ttl_no_longer_answers_for_its_twins(engine: Engine) -> None:
+    """Phased, ttl 0.3 s: the first request's work outlives it; its twin asks the
+    database, takes the key over (F06) and runs; the first is fenced out (its effects'
+    keys are the twin's, with another order id: EffectKeyConflict before its ClaimLost)."""
+    guard = IdempotencyGuard(ttl=0.3)
+    inside, go_on = threading.Event(), threading.Event()
+
+    def held(conn: Connection, claim: Claim) -> None:
+        inside.set()
+        assert go_on.wait(timeout=10)
+
+    with ThreadPoolExecutor(2) as pool, CheckoutsByThread(engine) as sent:
+        first = pool.submit(guard.run, engine, SCOPE, "k", FP, make_work("k", hook=held),
+                            mode="phased")
+        assert inside.wait(timeout=10)
+        time.sleep(0.5)
+        out, ident = pool.submit(twin, guard, engine, "k", FP, "phased").result(10)
+        go_on.set()
+        with pytest.raises((ClaimLost, EffectKeyConflict)):
+            first.result(timeout=10)
+    assert isinstance(out, Result) and not out.replayed and sent.counts[ident] > 0
+    assert orders(engine, "k") == 1 and effects(engine, "k") == 2
+
+
+def test_a_failed_request_lets_its_retry_run_at_once(engine: Engine) -> None:
+    guard = IdempotencyGuard()
+
+    def boom(conn: Connection, claim: Claim) -> None:
+        raise RuntimeError("the work failed")
+
+    with pytest.raises(RuntimeError):
+        guard.run(engine, SCOPE, "k", FP, make_work("k", hook=boom))
+    assert len(in_flight) == 0
+    assert not guard.run(engine, SCOPE, "k", FP, make_work("k")).replayed
+
+
+def test_twins_of_an_async_request_answer_409_at_once(db_url: str, engine: Engine) -> None:
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def main() -> list[Any]:
+        aengine = create_async_engine(db_url)
+        guard = IdempotencyGuard()
+        inside, go_on = asyncio.Event(), asyncio.Event()
+
+        async def work(conn: Any, claim: Claim) -> StoredResponse:
+            claim.enqueue("psp.charge", {"order_key": "ak"})
+            inside.set()
+            await go_on.wait()
+            return StoredResponse(201, (), b"{}")
+
+        async def attempt() -> Any:
+            try:
+                return await guard.arun(aengine, SCOPE, "ak", FP, work)
+            except RequestInProgress as exc:
+                return exc
+
+        checkouts: list[object] = []
+        event.listen(aengine.sync_engine, "checkout", lambda *_: checkouts.append(1))
+        try:
+            first = asyncio.create_task(attempt())
+            await inside.wait()
+            twins = await asyncio.gather(*[attempt() for _ in range(5)])
+            assert len(checkouts) == 1  # the first request's: none for its twins
+            go_on.set()
+            return [await first, *twins]
+        finally:
+            await aengine.dispose()
+
+    first, *twins = asyncio.run(main())
+    assert isinstance(first, Result) and not first.replayed
+    assert all(isinstance(t, RequestInProgress) for t in twins)
+    assert effects(engine, "ak") == 1 and len(in_flight) == 0

@@ -555,10 +555,12 @@ class Idempotency:
             return problem(exc)
         mode = self.mode or self._settings().mode
         try:
-            if mode == "phased":
-                full, replayed = self._run_phased(request, prepared, view)
-            else:
-                full, replayed = self._run_atomic(request, prepared, view)
+            with self.guard().in_flight(connection_for(prepared.using), prepared.scope,
+                                        prepared.key, prepared.fingerprint):
+                if mode == "phased":
+                    full, replayed = self._run_phased(request, prepared, view)
+                else:
+                    full, replayed = self._run_atomic(request, prepared, view)
         except IdempotencyConflict as exc:
             return problem(exc)
         except (DatabaseError, psycopg.Error) as exc:
