@@ -473,15 +473,19 @@ def worker_main(argv: Sequence[str]) -> int:
         if os.environ.get("BENCH_PROFILE"):
             import cProfile
 
-            prof = cProfile.Profile()
+            # BENCH_PROFILE_CPU=1: each thread's CPU time (time.thread_time), not the
+            # wall clock, which charges a blocked wait to the function that waits.
+            timer = time.thread_time if os.environ.get("BENCH_PROFILE_CPU") else None
+            prof = cProfile.Profile(timer) if timer else cProfile.Profile()
             prof.enable()
 
             # Every thread started from here on (delivery pool, completer) gets its own
             # profiler; all are merged into one file: the whole worker, not its loop only.
             def boot(frame: Any, event: str, arg: Any,
-                     thread_profs: list[Any] = thread_profs) -> None:
+                     thread_profs: list[Any] = thread_profs,
+                     timer: Any = timer) -> None:
                 sys.setprofile(None)
-                p = cProfile.Profile()
+                p = cProfile.Profile(timer) if timer else cProfile.Profile()
                 thread_profs.append(p)
                 p.enable()
 
