@@ -716,6 +716,7 @@ class IdempotencyGuard:
              work: Callable[[Any, Claim], StoredResponse], *, mode: Mode,
              prepare: Callable[[Claim], None] | None, business_key: str | None,
              same_request_window: float | None) -> Result:
+        """`run` once the key is held as in flight here."""
         if mode == "atomic":
             def atomic() -> Result:
                 with _transaction(engine) as conn:
@@ -776,6 +777,7 @@ class IdempotencyGuard:
                     work: Callable[[Any, Claim], Awaitable[StoredResponse]], *, mode: Mode,
                     prepare: Callable[[Claim], Awaitable[None]] | None,
                     business_key: str | None, same_request_window: float | None) -> Result:
+        """`arun` once the key is held as in flight here."""
         if mode == "atomic":
             async def atomic() -> Result:
                 async with _atransaction(engine) as conn:

@@ -669,10 +669,14 @@ class IdempotentRequest(Generic[M]):
         """
         cfg = self.config
         sent: list[tuple[StoredResponse, Response | StoredResponse]] = []
+        held = False
         try:
             with cfg.guard.in_flight(handle, self.scope, self.key, self.fingerprint):
+                held = True
                 return self._run_in(handle, work, sent)
         except Exception as exc:
+            if not held:  # a twin runs here: the session is left as the database path
+                handle.rollback()  # leaves it, rolled back
             mapped = self._problem(exc)
             if mapped is exc:
                 raise
@@ -680,6 +684,7 @@ class IdempotentRequest(Generic[M]):
 
     def _run_in(self, handle: Any, work: Work,
                 sent: list[tuple[StoredResponse, Response | StoredResponse]]) -> Response:
+        """`run_in`'s transaction, retried, once the key is held as in flight here."""
         cfg = self.config
         for attempt in Retrying(**_retrying()):
             with attempt:
@@ -709,10 +714,14 @@ class IdempotentRequest(Generic[M]):
         `AsyncConnection` or psycopg `AsyncConnection`; `work` is awaited."""
         cfg = self.config
         sent: list[tuple[StoredResponse, Response | StoredResponse]] = []
+        held = False
         try:
             with cfg.guard.in_flight(handle, self.scope, self.key, self.fingerprint):
+                held = True
                 return await self._arun_in(handle, work, sent)
         except Exception as exc:
+            if not held:
+                await handle.rollback()
             mapped = self._problem(exc)
             if mapped is exc:
                 raise
@@ -721,6 +730,7 @@ class IdempotentRequest(Generic[M]):
     async def _arun_in(self, handle: Any, work: AsyncWork,
                        sent: list[tuple[StoredResponse, Response | StoredResponse]]
                        ) -> Response:
+        """`arun_in`'s transaction, retried, once the key is held as in flight here."""
         cfg = self.config
         async for attempt in AsyncRetrying(**_retrying()):
             with attempt:

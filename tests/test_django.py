@@ -656,9 +656,19 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
+@pytest.mark.parametrize("local_twins", [True, False], ids=["local-twins", "database"])
 @pytest.mark.parametrize("path", ["/orders", "/orders-phased"])
-def test_a_twin_in_flight_gets_409_with_retry_after_then_the_replay(dj: Engine,
-                                                                     path: str) -> None:
+def test_a_twin_in_flight_gets_409_with_retry_after_then_the_replay(
+        dj: Engine, path: str, local_twins: bool) -> None:
+    """Both ways: the twin answered by this process (OUTBOX LOCAL_TWINS, the default)
+    and by the database (the lock, or the phased claim's row)."""
+    from django.test import override_settings
+
+    with override_settings(OUTBOX={"LOCAL_TWINS": local_twins}):
+        _twin_in_flight(dj, path)
+
+
+def _twin_in_flight(dj: Engine, path: str) -> None:
     GATE["entered"], GATE["release"] = threading.Event(), threading.Event()
     thread, first = _in_thread(lambda: post(path, key="twin"))
     try:
@@ -750,10 +760,16 @@ def test_the_articles_storm_get_or_create_duplicates_the_guard_does_not(dj: Engi
             break
     assert duplicated > 1, "the naive view never raced in 5 storms of 20"
     assert set(naive) <= {200, 201, 500}  # later retries: MultipleObjectsReturned
-    statuses = _storm("/guarded", "guarded-1", 20)
-    assert set(statuses) <= {201, 409} and 201 in statuses
-    assert count(dj, "SELECT count(*) FROM payments.payments WHERE owner = 'guarded'") == 1
-    assert count(dj, "SELECT count(*) FROM outbox.effects WHERE kind = 'psp.charge'") == 1
+    from django.test import override_settings
+
+    for round_, local_twins in enumerate((True, False)):  # twins answered here, or by SQL
+        with override_settings(OUTBOX={"LOCAL_TWINS": local_twins}):
+            statuses = _storm("/guarded", f"guarded-{round_}", 20)
+        assert set(statuses) <= {201, 409} and 201 in statuses
+        assert count(dj, "SELECT count(*) FROM payments.payments "
+                         "WHERE owner = 'guarded'") == round_ + 1
+        assert count(dj, "SELECT count(*) FROM outbox.effects "
+                         "WHERE kind = 'psp.charge'") == round_ + 1
 
 
 # -- the admin --------------------------------------------------------------------------------

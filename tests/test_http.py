@@ -767,8 +767,11 @@ def test_b16_concurrent_twins_get_409_through_uvicorn(payments_db: Engine, mode:
     assert processing_keys(payments_db) == 0
 
 
-def test_in_flight_request_gets_409_then_the_replay(engine: Engine, mode: Mode) -> None:
-    lib = library_app(engine, mode)
+@pytest.mark.parametrize("local_twins", [True, False], ids=["local-twins", "database"])
+def test_in_flight_request_gets_409_then_the_replay(engine: Engine, mode: Mode,
+                                                    local_twins: bool) -> None:
+    """Both ways: the twin answered by this process, and by the database."""
+    lib = library_app(engine, mode, guard=IdempotencyGuard(local_twins=local_twins))
     with serving(lib.app) as base, httpx.Client(base_url=base, timeout=30, headers=AS_CLIENT) as c:
         key = {"Idempotency-Key": "slow-key"}
         first: list[httpx.Response] = []

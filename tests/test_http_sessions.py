@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_asyn
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.responses import JSONResponse, Response
 
-from outbox import Claim, aenqueue, enqueue
+from outbox import Claim, IdempotencyGuard, aenqueue, enqueue
 from outbox.http import (
     REPLAYED_HEADER,
     Idempotency,
@@ -37,11 +37,13 @@ with warnings.catch_warnings():  # starlette would rather have `httpx2`; httpx w
 Req = IdempotentRequest[dict[str, Any]]
 
 
-def make_app(engine: Engine, db_url: str) -> tuple[FastAPI, threading.Event]:
+def make_app(engine: Engine, db_url: str, *, local_twins: bool = True
+             ) -> tuple[FastAPI, threading.Event]:
     app = FastAPI()
     install_problem_handlers(app)
     app.state.engine = engine
-    guard = Idempotency(dict, scope=anonymous_scope)
+    guard = Idempotency(dict, scope=anonymous_scope,
+                        guard=IdempotencyGuard(local_twins=local_twins))
     factory = sessionmaker(engine)
     aengine = create_async_engine(make_url(db_url).set(drivername="postgresql+psycopg"))
     afactory = async_sessionmaker(aengine)
@@ -106,18 +108,22 @@ def test_the_apps_own_session_carries_key_rows_and_effects(engine: Engine, db_ur
     assert counts(engine) == (1, 1, 1)
 
 
+@pytest.mark.parametrize("local_twins", [True, False], ids=["local-twins", "database"])
 @pytest.mark.parametrize("path", ["/sync", "/async"])
-def test_twenty_concurrent_twins_execute_once(engine: Engine, db_url: str, path: str) -> None:
-    app, _ = make_app(engine, db_url)
+def test_twenty_concurrent_twins_execute_once(engine: Engine, db_url: str, path: str,
+                                              local_twins: bool) -> None:
+    app, _ = make_app(engine, db_url, local_twins=local_twins)
     with TestClient(app) as client, ThreadPoolExecutor(20) as pool:
         barrier = threading.Barrier(20)
 
-        def hit(_: int) -> int:
+        def hit(_: int) -> tuple[int, str | None]:
             barrier.wait(10)
-            return client.post(path, json={"a": 5},
-                               headers={"Idempotency-Key": "storm"}).status_code
-        statuses = list(pool.map(hit, range(20)))
+            r = client.post(path, json={"a": 5}, headers={"Idempotency-Key": "storm"})
+            return r.status_code, r.headers.get("retry-after")
+        answers = list(pool.map(hit, range(20)))
+    statuses = [status for status, _ in answers]
     assert set(statuses) <= {201, 409} and 201 in statuses
+    assert all(after == "1" for status, after in answers if status == 409)
     assert counts(engine) == (1, 1, 1)
 
 

@@ -26,6 +26,7 @@ from sqlalchemy import Connection, Engine, event, make_url, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
+import outbox._inflight
 from outbox import (
     Claim,
     Effect,
@@ -1559,3 +1560,79 @@ def test_twins_of_an_async_request_answer_409_at_once(db_url: str, engine: Engin
     assert isinstance(first, Result) and not first.replayed
     assert all(isinstance(t, RequestInProgress) for t in twins)
     assert effects(engine, "ak") == 1 and len(in_flight) == 0
+
+
+def test_an_atomic_request_answers_for_its_twins_for_the_horizon_only(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past HORIZON (0.2 s here) a twin asks the database, which still holds the lock
+    of the running atomic request: 409 from PostgreSQL."""
+    monkeypatch.setattr(outbox._inflight, "HORIZON", 0.2)
+    guard = IdempotencyGuard()
+    inside, go_on = threading.Event(), threading.Event()
+
+    def held(conn: Connection, claim: Claim) -> None:
+        inside.set()
+        assert go_on.wait(timeout=10)
+
+    with ThreadPoolExecutor(2) as pool, CheckoutsByThread(engine) as sent:
+        first = pool.submit(guard.run, engine, SCOPE, "k", FP, make_work("k", hook=held))
+        assert inside.wait(timeout=10)
+        early, early_ident = pool.submit(twin, guard, engine, "k").result(10)
+        early_checkouts = sent.counts[early_ident]  # (the pool may reuse its thread)
+        time.sleep(0.3)
+        late, late_ident = pool.submit(twin, guard, engine, "k").result(10)
+        go_on.set()
+        assert not first.result(timeout=10).replayed
+    assert isinstance(early, RequestInProgress) and early_checkouts == 0
+    assert isinstance(late, RequestInProgress) and sent.counts[late_ident] > early_checkouts
+
+
+def test_an_expired_entry_leaving_does_not_drop_its_successors(engine: Engine) -> None:
+    """A (phased, ttl 0.3 s) outlives its entry; B takes the key over and is held
+    there; A's end must leave B's entry alone, so C is still answered here."""
+    guard = IdempotencyGuard(ttl=0.3)
+    a_inside, a_go, b_inside, b_go = (threading.Event() for _ in range(4))
+
+    def gate(inside: threading.Event, go: threading.Event
+             ) -> Callable[[Connection, Claim], None]:
+        def hook(conn: Connection, claim: Claim) -> None:
+            inside.set()
+            assert go.wait(timeout=10)
+        return hook
+
+    with ThreadPoolExecutor(3) as pool, CheckoutsByThread(engine) as sent:
+        a = pool.submit(guard.run, engine, SCOPE, "k", FP,
+                        make_work("k", hook=gate(a_inside, a_go)), mode="phased")
+        assert a_inside.wait(timeout=10)
+        time.sleep(0.5)
+        b = pool.submit(guard.run, engine, SCOPE, "k", FP,
+                        make_work("k", hook=gate(b_inside, b_go)), mode="phased")
+        assert b_inside.wait(timeout=10)
+        a_go.set()
+        with pytest.raises((ClaimLost, EffectKeyConflict)):
+            a.result(timeout=10)
+        before = sent.counts.copy()  # the pool may run C on A's thread
+        c, c_ident = pool.submit(twin, guard, engine, "k", FP, "phased").result(10)
+        c_checkouts = sent.counts[c_ident] - before[c_ident]
+        b_go.set()
+        assert not b.result(timeout=10).replayed
+    assert isinstance(c, RequestInProgress) and c_checkouts == 0
+    assert orders(engine, "k") == 1 and len(in_flight) == 0
+
+
+def test_a_forked_child_starts_with_no_requests_in_flight(engine: Engine) -> None:
+    import os
+
+    guard = IdempotencyGuard()
+    with guard.in_flight(engine, SCOPE, "k", FP):
+        assert len(in_flight) == 1
+        pid = os.fork()
+        if pid == 0:  # the child: nothing held, and the registry's lock is free
+            try:
+                with guard.in_flight(engine, SCOPE, "k", FP):
+                    os._exit(0 if len(in_flight) == 1 else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(in_flight) == 0

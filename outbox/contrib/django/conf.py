@@ -7,6 +7,7 @@ OUTBOX = {
     "KEY_TTL": 60.0,             # phased claims: seconds before a retry may take over
     "KEY_RETENTION": 86400.0,    # seconds a completed key is replayed (then purgeable)
     "RETRY_AFTER": 1,            # the 409's Retry-After, seconds
+    "LOCAL_TWINS": True,         # a twin of a request running in this process: 409 at once
     "MAX_BODY": 1048576,         # request bodies above this are a 413
     "MAX_STORED_BODY": 1048576,  # larger responses are replayed as a stand-in
     "STORED_HEADERS": [...],     # response headers kept for replays (outbox.http's list)
@@ -41,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "KEY_TTL": 60.0,
     "KEY_RETENTION": 86_400.0,
     "RETRY_AFTER": 1,
+    "LOCAL_TWINS": True,
     "MAX_BODY": DEFAULT_MAX_BODY,
     "MAX_STORED_BODY": 1_048_576,
     "STORED_HEADERS": DEFAULT_STORED_HEADERS,
@@ -58,6 +60,7 @@ class OutboxSettings:
     key_ttl: float
     key_retention: float
     retry_after: int
+    local_twins: bool
     max_body: int
     max_stored_body: int
     stored_headers: tuple[str, ...]
@@ -95,6 +98,8 @@ def problems() -> list[str]:
         found.append(_positive(name, merged[name], float) or "")
     for name in ("RETRY_AFTER", "MAX_BODY", "MAX_STORED_BODY"):
         found.append(_positive(name, merged[name], int) or "")
+    if not isinstance(merged["LOCAL_TWINS"], bool):
+        found.append(f"OUTBOX['LOCAL_TWINS'] is True or False, not {merged['LOCAL_TWINS']!r}")
     if not isinstance(merged["DATABASE"], str):
         found.append("OUTBOX['DATABASE'] is a database alias (a string)")
     headers = merged["STORED_HEADERS"]
@@ -159,6 +164,7 @@ def get() -> OutboxSettings:
     loaded = OutboxSettings(
         database=merged["DATABASE"], mode=merged["MODE"], key_ttl=float(merged["KEY_TTL"]),
         key_retention=float(merged["KEY_RETENTION"]), retry_after=int(merged["RETRY_AFTER"]),
+        local_twins=merged["LOCAL_TWINS"],
         max_body=int(merged["MAX_BODY"]), max_stored_body=int(merged["MAX_STORED_BODY"]),
         stored_headers=tuple(merged["STORED_HEADERS"]), scope=_callable(merged["SCOPE"]),
         doorbells=tuple(_callable(b) for b in merged["DOORBELLS"]),

@@ -469,7 +469,7 @@ class Idempotency:
             return self._guard
         s = self._settings()
         return IdempotencyGuard(ttl=s.key_ttl, retention=s.key_retention,
-                                retry_after=s.retry_after)
+                                retry_after=s.retry_after, local_twins=s.local_twins)
 
     def policy(self) -> ReplayPolicy:
         """outbox.http's stored-header and replay-size policy, for these settings."""
