@@ -42,7 +42,7 @@ def run(cmd: list[str], cwd: Path, raw: Any, tag: str) -> list[dict[str, Any]]:
     proc = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, text=True, check=False)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     for line in lines:
-        raw.write(json.dumps({"run": tag, **line}) + "\n")
+        raw.write(json.dumps({"part": tag, **line}) + "\n")
     raw.flush()
     if proc.returncode != 0:
         log(f"{tag} exited with {proc.returncode}")
