@@ -37,6 +37,7 @@ from outbox._telemetry import tracing_enabled
 from outbox.errors import (
     AmbiguousOutcome,
     ConfigurationError,
+    DeliveryError,
     InvalidInput,
     PermanentFailure,
     TransientFailure,
@@ -47,6 +48,25 @@ from outbox.errors import (
 #: cancellation must not win the race (it would turn a 2xx whose body was still
 #: arriving into an ambiguous outcome).
 DEADLINE_MARGIN = 0.05
+
+
+_NO_TIMEOUT = aiohttp.ClientTimeout(total=None)  # ours is the attempt's one deadline
+
+
+def _unsent(exc: aiohttp.ClientError, sending: _Sending) -> DeliveryError:
+    """A client error before the status: a plain retry if nothing reached the
+    receiver, else ambiguous."""
+    if not sending.sent:
+        return TransientFailure(redact_secrets(f"could not send the request: {exc!r}"))
+    return AmbiguousOutcome(redact_secrets(f"no answer after sending: {exc!r}"))
+
+
+def _unanswered(exc: TimeoutError, sending: _Sending, timeout: float) -> DeliveryError:
+    """The deadline before the status: a plain retry if nothing was sent."""
+    if not sending.sent:
+        return TransientFailure(redact_secrets(f"could not send the request: {exc!r}"))
+    return AmbiguousOutcome(redact_secrets(
+        f"no answer by the attempt's deadline ({timeout:g} s at most): {exc!r}"))
 
 
 class _Sending:
@@ -115,6 +135,7 @@ class AsyncHttpHandler:
             self._authorization = "Basic " + base64.b64encode(raw).decode("ascii")
             parsed = parsed.with_user(None)
         self.url = str(parsed)  # never holds credentials
+        self._url = URL(self.url)  # parsed once, not per request
         self._shown_url = redact_secrets(self.url)
         self.timeout = timeout
         self.headers = dict(headers or {})
@@ -158,63 +179,61 @@ class AsyncHttpHandler:
         if not self._traced:  # else the instrumentation's CLIENT span injects its own
             propagate.inject(headers)  # traceparent of the current deliver span
         deadline = min(effect.deadline - DEADLINE_MARGIN, time.monotonic() + self.timeout)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if deadline <= time.monotonic():
             raise TransientFailure("the attempt's deadline passed before sending")
         # One deadline for the whole request (connection, pool wait, send, status,
-        # headers); whether it ended before or after the headers went out decides.
+        # headers, body), one timer: whether it ended before or after the headers went
+        # out decides; once the status is in, it only cuts the body.
         sending = _Sending()
-        try:
-            async with asyncio.timeout(remaining):
-                response = await session.post(
-                    self.url, json=effect.payload, headers=headers, allow_redirects=False,
-                    timeout=aiohttp.ClientTimeout(total=None), trace_request_ctx=sending)
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            if not sending.sent:  # nothing reached the receiver: a plain retry
-                raise TransientFailure(redact_secrets(
-                    f"could not send the request: {exc!r}")) from exc
-            if isinstance(exc, TimeoutError):
-                raise AmbiguousOutcome(redact_secrets(
-                    f"no answer by the attempt's deadline ({self.timeout:g} s at most): "
-                    f"{exc!r}")) from exc
-            raise AmbiguousOutcome(redact_secrets(f"no answer after sending: {exc!r}")
-                                   ) from exc
-        try:
-            status = response.status
-            retry_after = response.headers.get("Retry-After")
-            body, truncated = await self._read_prefix(response, deadline)
-        finally:
-            response.close()  # an unread rest is never read: the connection is dropped
-        return classify_reply(status, body, truncated, retry_after, self._shown_url)
-
-    async def _read_prefix(self, response: aiohttp.ClientResponse, deadline: float
-                           ) -> tuple[str, bool]:
-        """The reply's first `max_reply_bytes`, decoded; True if more was left unread.
-
-        The receiver has answered: a deadline or a broken connection while the body
-        arrives only cuts the body.
-        """
+        response: aiohttp.ClientResponse | None = None
         prefix = bytearray()
         truncated = False
         try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                while True:
-                    room = self.max_reply_bytes - len(prefix)
-                    chunk = await response.content.read(max(room, 1))
-                    if not chunk:
-                        break
-                    prefix += chunk[:room]
-                    if len(chunk) > room:
-                        truncated = True
-                        break
-        except (TimeoutError, aiohttp.ClientError):
-            truncated = True
+            async with asyncio.timeout_at(deadline):  # the loop's clock is monotonic
+                try:
+                    response = await session.post(
+                        self._url, json=effect.payload, headers=headers,
+                        allow_redirects=False, timeout=_NO_TIMEOUT, trace_request_ctx=sending)
+                except aiohttp.ClientError as exc:
+                    raise _unsent(exc, sending) from exc
+                truncated = await self._read_prefix(response, prefix)
+        except TimeoutError as exc:
+            if response is None:
+                raise _unanswered(exc, sending, self.timeout) from exc
+            truncated = True  # the deadline came while the body arrived
+        finally:
+            if response is not None:
+                response.close()  # an unread rest is never read: the connection is dropped
+        return classify_reply(response.status, self._text(response, prefix), truncated,
+                              response.headers.get("Retry-After"), self._shown_url)
+
+    async def _read_prefix(self, response: aiohttp.ClientResponse, prefix: bytearray
+                           ) -> bool:
+        """Read the reply's first `max_reply_bytes` into `prefix`; True if more was left
+        unread. The receiver has answered: a broken connection while the body arrives
+        only cuts the body (as the deadline does, in the caller)."""
+        try:
+            while True:
+                room = self.max_reply_bytes - len(prefix)
+                chunk = await response.content.read(max(room, 1))
+                if not chunk:
+                    return False
+                prefix += chunk[:room]
+                if len(chunk) > room:
+                    return True
+                if response.content.at_eof():  # all of it: no read for the EOF
+                    return False
+        except aiohttp.ClientError:
+            return True
+
+    @staticmethod
+    def _text(response: aiohttp.ClientResponse, prefix: bytearray) -> str:
+        """The prefix read, decoded by the reply's charset (or a note, if encoded)."""
         encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
-            return f"<{encoding}-encoded reply, {len(prefix)} bytes read>", truncated
+            return f"<{encoding}-encoded reply, {len(prefix)} bytes read>"
         charset = response.charset or "utf-8"
         try:
-            text = bytes(prefix).decode(charset, errors="replace")
+            return bytes(prefix).decode(charset, errors="replace")
         except LookupError:
-            text = bytes(prefix).decode("utf-8", errors="replace")
-        return text, truncated
+            return bytes(prefix).decode("utf-8", errors="replace")
