@@ -1424,6 +1424,17 @@ class CheckoutsByThread:
         self.counts[threading.get_ident()] += 1
 
 
+def gate() -> tuple[threading.Event, threading.Event, Callable[[Connection, Claim], None]]:
+    """A work hook that holds the request in flight: it sets the first event once
+    inside the work, then waits (10 s at most) for the second."""
+    inside, go_on = threading.Event(), threading.Event()
+
+    def hook(conn: Connection, claim: Claim) -> None:
+        inside.set()
+        assert go_on.wait(timeout=10)
+    return inside, go_on, hook
+
+
 def twin(guard: IdempotencyGuard, eng: Engine, key: str, fp: str = FP,
          mode: Mode = "atomic") -> tuple[Outcome | KeyReused, int]:
     """One request on `key` from its own thread: (its outcome, that thread's id)."""
@@ -1438,11 +1449,7 @@ def twin(guard: IdempotencyGuard, eng: Engine, key: str, fp: str = FP,
 def test_twins_of_a_request_running_here_answer_409_without_a_round_trip(
         engine: Engine, mode: Mode) -> None:
     guard = IdempotencyGuard()
-    inside, go_on = threading.Event(), threading.Event()
-
-    def held(conn: Connection, claim: Claim) -> None:
-        inside.set()
-        assert go_on.wait(timeout=10)
+    inside, go_on, held = gate()
 
     with ThreadPoolExecutor(11) as pool, CheckoutsByThread(engine) as sent:
         first = pool.submit(guard.run, engine, SCOPE, "k", FP,
@@ -1468,11 +1475,7 @@ def test_twins_of_a_request_running_here_answer_409_without_a_round_trip(
 def test_a_twin_with_another_body_is_answered_by_the_database(engine: Engine) -> None:
     """409 while the first runs (from PostgreSQL: its lock), 422 once it is stored."""
     guard = IdempotencyGuard()
-    inside, go_on = threading.Event(), threading.Event()
-
-    def held(conn: Connection, claim: Claim) -> None:
-        inside.set()
-        assert go_on.wait(timeout=10)
+    inside, go_on, held = gate()
 
     with ThreadPoolExecutor(2) as pool, CheckoutsByThread(engine) as sent:
         first = pool.submit(guard.run, engine, SCOPE, "k", FP, make_work("k", hook=held))
@@ -1491,11 +1494,7 @@ def test_a_request_past_its_ttl_no_longer_answers_for_its_twins(engine: Engine) 
     database, takes the key over (F06) and runs; the first is fenced out (its effects'
     keys are the twin's, with another order id: EffectKeyConflict before its ClaimLost)."""
     guard = IdempotencyGuard(ttl=0.3)
-    inside, go_on = threading.Event(), threading.Event()
-
-    def held(conn: Connection, claim: Claim) -> None:
-        inside.set()
-        assert go_on.wait(timeout=10)
+    inside, go_on, held = gate()
 
     with ThreadPoolExecutor(2) as pool, CheckoutsByThread(engine) as sent:
         first = pool.submit(guard.run, engine, SCOPE, "k", FP, make_work("k", hook=held),
@@ -1568,11 +1567,7 @@ def test_an_atomic_request_answers_for_its_twins_for_the_horizon_only(
     of the running atomic request: 409 from PostgreSQL."""
     monkeypatch.setattr(outbox._inflight, "HORIZON", 0.2)
     guard = IdempotencyGuard()
-    inside, go_on = threading.Event(), threading.Event()
-
-    def held(conn: Connection, claim: Claim) -> None:
-        inside.set()
-        assert go_on.wait(timeout=10)
+    inside, go_on, held = gate()
 
     with ThreadPoolExecutor(2) as pool, CheckoutsByThread(engine) as sent:
         first = pool.submit(guard.run, engine, SCOPE, "k", FP, make_work("k", hook=held))
@@ -1591,22 +1586,16 @@ def test_an_expired_entry_leaving_does_not_drop_its_successors(engine: Engine) -
     """A (phased, ttl 0.3 s) outlives its entry; B takes the key over and is held
     there; A's end must leave B's entry alone, so C is still answered here."""
     guard = IdempotencyGuard(ttl=0.3)
-    a_inside, a_go, b_inside, b_go = (threading.Event() for _ in range(4))
-
-    def gate(inside: threading.Event, go: threading.Event
-             ) -> Callable[[Connection, Claim], None]:
-        def hook(conn: Connection, claim: Claim) -> None:
-            inside.set()
-            assert go.wait(timeout=10)
-        return hook
+    a_inside, a_go, a_held = gate()
+    b_inside, b_go, b_held = gate()
 
     with ThreadPoolExecutor(3) as pool, CheckoutsByThread(engine) as sent:
         a = pool.submit(guard.run, engine, SCOPE, "k", FP,
-                        make_work("k", hook=gate(a_inside, a_go)), mode="phased")
+                        make_work("k", hook=a_held), mode="phased")
         assert a_inside.wait(timeout=10)
         time.sleep(0.5)
         b = pool.submit(guard.run, engine, SCOPE, "k", FP,
-                        make_work("k", hook=gate(b_inside, b_go)), mode="phased")
+                        make_work("k", hook=b_held), mode="phased")
         assert b_inside.wait(timeout=10)
         a_go.set()
         with pytest.raises((ClaimLost, EffectKeyConflict)):
