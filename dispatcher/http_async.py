@@ -43,19 +43,29 @@ from outbox.errors import (
     TransientFailure,
 )
 
-#: Seconds before the effect's deadline at which the handler's own timeouts end the
+#: Seconds before the effect's deadline at which the handler's own timer ends the
 #: attempt: the dispatcher cancels an async handler at the deadline itself, and that
 #: cancellation must not win the race (it would turn a 2xx whose body was still
 #: arriving into an ambiguous outcome).
 DEADLINE_MARGIN = 0.05
 
 
+class _Sending:
+    """Per request: whether aiohttp wrote the request's headers (from then on the
+    receiver may act on it; before, a failure is a plain retry)."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
+
+
 _NO_TIMEOUT = aiohttp.ClientTimeout(total=None)  # ours is the attempt's one deadline
 
 
-def _unsent(exc: aiohttp.ClientError, sending: _Sending) -> DeliveryError:
-    """A client error before the status: a plain retry if nothing reached the
-    receiver, else ambiguous."""
+def _before_status(exc: aiohttp.ClientError, sending: _Sending) -> DeliveryError:
+    """A client error before the status came back: a plain retry if nothing reached
+    the receiver, else ambiguous."""
     if not sending.sent:
         return TransientFailure(redact_secrets(f"could not send the request: {exc!r}"))
     return AmbiguousOutcome(redact_secrets(f"no answer after sending: {exc!r}"))
@@ -67,16 +77,6 @@ def _unanswered(exc: TimeoutError, sending: _Sending, timeout: float) -> Deliver
         return TransientFailure(redact_secrets(f"could not send the request: {exc!r}"))
     return AmbiguousOutcome(redact_secrets(
         f"no answer by the attempt's deadline ({timeout:g} s at most): {exc!r}"))
-
-
-class _Sending:
-    """Per request: whether aiohttp wrote the request's headers (from then on the
-    receiver may act on it; before, a failure is a plain retry)."""
-
-    __slots__ = ("sent",)
-
-    def __init__(self) -> None:
-        self.sent = False
 
 
 async def _headers_sent(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
@@ -134,15 +134,19 @@ class AsyncHttpHandler:
                 raw = pair.encode("utf-8")
             self._authorization = "Basic " + base64.b64encode(raw).decode("ascii")
             parsed = parsed.with_user(None)
-        self.url = str(parsed)  # never holds credentials
-        self._url = URL(self.url)  # parsed once, not per request
-        self._shown_url = redact_secrets(self.url)
+        self._url = parsed  # parsed once, not per request; never holds credentials
+        self._shown_url = redact_secrets(str(parsed))
         self.timeout = timeout
         self.headers = dict(headers or {})
         self.max_reply_bytes = max_reply_bytes
         self.limit = limit
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         self._traced = False
+
+    @property
+    def url(self) -> str:
+        """Where deliveries go (credentials removed)."""
+        return str(self._url)
 
     def __repr__(self) -> str:
         return f"AsyncHttpHandler({self._shown_url!r}, timeout={self.timeout:g})"
@@ -189,13 +193,14 @@ class AsyncHttpHandler:
         prefix = bytearray()
         truncated = False
         try:
-            async with asyncio.timeout_at(deadline):  # the loop's clock is monotonic
+            # Relative, so that no loop clock is assumed (the deadline is monotonic).
+            async with asyncio.timeout(deadline - time.monotonic()):
                 try:
                     response = await session.post(
                         self._url, json=effect.payload, headers=headers,
                         allow_redirects=False, timeout=_NO_TIMEOUT, trace_request_ctx=sending)
                 except aiohttp.ClientError as exc:
-                    raise _unsent(exc, sending) from exc
+                    raise _before_status(exc, sending) from exc
                 truncated = await self._read_prefix(response, prefix)
         except TimeoutError as exc:
             if response is None:
