@@ -30,6 +30,7 @@ from outbox._telemetry import (
     messaging_attributes,
     span_name,
     tracer,
+    tracing_enabled,
 )
 from outbox.errors import EffectKeyConflict, InvalidIdempotencyKey, InvalidInput
 from outbox.sql import effects as sql
@@ -406,7 +407,13 @@ def _carrier() -> str:
 
 def _create_span(batch: Sequence[Effect]) -> AbstractContextManager[trace.Span]:
     """The PRODUCER span of one enqueue call (messaging `create`: the rows are sent
-    later, by a dispatcher): `enqueue <queue>`, or `enqueue` across several queues."""
+    later, by a dispatcher): `enqueue <queue>`, or `enqueue` across several queues.
+
+    With no SDK installed the API's span would carry the current context unchanged, so
+    the current span stands in for it (the rows carry the same trace context) and its
+    attributes are not built (~9 µs an enqueue)."""
+    if not tracing_enabled():
+        return contextlib.nullcontext(trace.get_current_span())
     queues = {e.queue for e in batch}
     queue = next(iter(queues)) if len(queues) == 1 else None
     attributes: dict[str, str | int] = {**messaging_attributes("create", ENQUEUE, queue),

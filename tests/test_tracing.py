@@ -502,3 +502,35 @@ def test_outbox_worker_exports_queue_gauges(db_url: str) -> None:
     decoder = json.JSONDecoder()
     doc, _ = decoder.raw_decode(first)
     assert doc["resource_metrics"]
+
+
+_NO_SDK_ENQUEUE = """
+import json, sys
+from opentelemetry import context, propagate
+from sqlalchemy import create_engine, text
+from outbox import enqueue
+from outbox._telemetry import tracing_enabled
+assert not tracing_enabled()
+engine = create_engine(sys.argv[1])
+upstream = propagate.extract({"traceparent": sys.argv[2]})
+token = context.attach(upstream)  # a request whose traceparent was read, no SDK
+with engine.begin() as conn:
+    print(json.dumps({"id": enqueue(conn, "no-sdk.kind", {"a": 1}).id}))
+context.detach(token)
+"""
+
+
+def test_without_an_sdk_the_row_carries_the_callers_trace_context(
+        db_url: str, engine: Engine) -> None:
+    """No SDK: no enqueue span is built (the API's would be the caller's context), and
+    the row still carries the caller's traceparent for the delivery to continue."""
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", _NO_SDK_ENQUEUE, db_url, traceparent],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    effect_id = json.loads(out.stdout)["id"]
+    with engine.connect() as conn:
+        headers = conn.execute(text("SELECT headers FROM outbox.effects WHERE id = :id"),
+                               {"id": effect_id}).scalar_one()
+    assert headers["traceparent"] == traceparent
