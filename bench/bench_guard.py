@@ -24,6 +24,10 @@ Parts, all on the same database and the same engine:
    Per variant: requests/s, latency p50/p99 (ms), commits per request (counted by an
    engine `commit` listener). Ratios b/a and c/a of requests/s (and of p50), d/b and
    e/b (what detection costs).
+1d. The same across processes (--parts processes): --procs (8) processes of one
+   thread each, as a pre-forking server runs them, a_bare / b_atomic / f_deferred in 3
+   interleaved rounds; requests/s and b/a, f/a. No GIL is shared: the box's cores,
+   clients' and server's together, are the limit.
 1c. Client CPU per request (--parts cpu): one thread, a_bare / b_atomic / f_deferred in
    8 interleaved blocks of 300 requests; the medians and a/b, a/f.
 1b. Detection cost per request, one thread, no contention: --single (1000) requests
@@ -101,7 +105,7 @@ from outbox.sql import keys as keysql  # noqa: E402
 MODES: tuple[Mode, ...] = ("atomic", "phased")
 BODY = {"amount": 42, "currency": "EUR", "customer": "bench"}
 VARIANTS = ("a_bare", "b_atomic", "c_phased", "d_detect", "e_suspect", "f_deferred")
-PARTS = ("throughput", "cpu", "single", "storm", "f01")
+PARTS = ("throughput", "processes", "cpu", "single", "storm", "f01")
 
 
 def same_payment(body: dict[str, Any]) -> str:
@@ -487,6 +491,17 @@ class StormChildren:
             outcomes += [(o, t) for o, t in self._line(kid)["outcomes"]]
         return outcomes
 
+    def loop(self, variant: str, scope: str, seconds: float) -> int:
+        """Every child runs `variant` on its one thread for `seconds` from the same
+        start; the requests done in all."""
+        order = json.dumps({"loop": variant, "scope": scope, "seconds": seconds,
+                            "at": time.time() + 0.3})
+        for kid in self.kids:
+            assert kid.stdin is not None
+            kid.stdin.write(order + "\n")
+            kid.stdin.flush()
+        return sum(int(self._line(kid)["done"]) for kid in self.kids)
+
     def __exit__(self, *exc: object) -> None:
         for kid in self.kids:
             if kid.stdin is not None:
@@ -512,6 +527,14 @@ def storm_child(run_id: str, size: int, connections: int, deferred: bool) -> int
     with ThreadPoolExecutor(size) as pool:
         for line in sys.stdin:
             order = json.loads(line)
+            if "loop" in order:  # part 1d: this process's one thread, one variant
+                time.sleep(max(0.0, order["at"] - time.time()))
+                stop, done = order["at"] + order["seconds"], 0
+                while time.time() < stop:
+                    bench.request(order["loop"], order["scope"], uuid.uuid4().hex)
+                    done += 1
+                print(json.dumps({"done": done}), flush=True)
+                continue
             outcomes = bench._storm(pool, order["scope"], order["key"], order["mode"], size,
                                     local=True, at=order["at"])
             print(json.dumps({"outcomes": outcomes}), flush=True)
@@ -567,6 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the storm's requests defer their effects (f_deferred's form)")
     parser.add_argument("--storm-processes", type=int, default=4,
                         help="processes of the storm's `processes` form (default 4)")
+    parser.add_argument("--procs", type=int, default=8,
+                        help="processes of the `processes` part, one thread each (default 8)")
     parser.add_argument("--storm-child", metavar="RUN", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.storm_child:
@@ -600,6 +625,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["f01"] = {"ok": True}
         if "throughput" in parts:
             throughput(bench, args, report)
+        if "processes" in parts:
+            processes(bench, args, report)
         if "cpu" in parts:
             log("client CPU per request: one thread, 8 blocks of 300 per variant")
             report["client_cpu"] = bench.cpu(300, 8)
@@ -642,6 +669,27 @@ def throughput(bench: Bench, args: argparse.Namespace, report: dict[str, Any]) -
         "d_over_b_p50": round(d["p50_ms"] / b["p50_ms"], 3),
         "e_over_b_p50": round(e["p50_ms"] / b["p50_ms"], 3),
     }
+
+
+def processes(bench: Bench, args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Part 1d: --procs processes of one thread each (as a pre-forking server runs a
+    request per worker process), a_bare / b_atomic / f_deferred interleaved in 3
+    rounds: no GIL shared, so the box's cores (clients and server) are the limit."""
+    variants = ("a_bare", "b_atomic", "f_deferred")
+    log(f"processes: {args.procs} x 1 thread, {len(variants)} variants x {args.seconds:g} s")
+    done = dict.fromkeys(variants, 0)
+    with StormChildren(bench, args.procs, args.procs, args.pool) as kids:
+        for _ in range(20):  # warm each child's plans and prepared statements
+            kids.loop("a_bare", f"bench:{bench.run}:procs-warm", 0.05)
+        for r in range(3):
+            for variant in variants[r:] + variants[:r]:
+                done[variant] += kids.loop(variant, f"bench:{bench.run}:procs-{variant}",
+                                           args.seconds / 3)
+    rps = {v: round(n / args.seconds, 1) for v, n in done.items()}
+    report["processes"] = {"processes": args.procs, "rps": rps,
+                           "b_over_a_rps": round(rps["b_atomic"] / rps["a_bare"], 3),
+                           "f_over_a_rps": round(rps["f_deferred"] / rps["a_bare"], 3)}
+    log(f"processes: {report['processes']}")
 
 
 def f01(bench: Bench, args: argparse.Namespace, report: dict[str, Any]) -> None:
