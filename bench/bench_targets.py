@@ -11,8 +11,9 @@ It runs, one after another on the same server:
 2. with `--old-tree`, that checkout's `bench_dispatch.py --sections work --handlers
    http` (the tree the HTTP target is measured against: a `git worktree` of the commit
    issue 11 was filed on, `b70fc68`), as the "today's best" of the HTTP target;
-3. `bench_guard.py --parts throughput,storm` (the guarded request against the bare
-   one; the same-key storm in its three forms).
+3. `bench_guard.py --parts throughput,processes,storm` (the guarded request against
+   the bare one, in 8 threads and in 8 processes; the same-key storm in its three
+   forms).
 
 Each target is printed with what was measured, the goal, and whether it was met;
 stderr gets the same as a table. The raw lines of every run go to --raw (JSON lines).
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                             "http", "--workers", "1,2,4", "--batches", "10,100",
                             "--duration", args.duration, "--runs", "1"],
                            Path(args.old_tree), raw, "old-http")
-        guard = run([py, "bench/bench_guard.py", "--parts", "throughput,storm",
+        guard = run([py, "bench/bench_guard.py", "--parts", "throughput,processes,storm",
                      "--seconds", "6", "--storm-rounds", "3"], ROOT, raw, "guard")
     summary = next((x for x in dispatch if x.get("section") == "summary"), {})
     ratios = summary.get("ratios", {})
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                round(http_best / old_best, 2) if http_best and old_best else None, 3.0),
         target("guarded request (atomic, 2 effects deferred) vs bare, 8 threads",
                (g.get("ratios") or {}).get("f_over_a_rps"), 0.5),
+        target("guarded request vs bare, 8 processes of one thread",
+               (g.get("processes") or {}).get("f_over_a_rps"), 0.5),
         target("same-key storm of 100, p99 ms (atomic, one process, default)",
                (storm.get("atomic_local") or {}).get("p99_ms"), 50.0, at_most=True),
         target("same-key storm of 100, p99 ms (atomic, 4 processes)",
