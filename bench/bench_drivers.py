@@ -7,8 +7,10 @@ One client, one business transaction per iteration: INSERT one business row, enq
 1 (or 2) effects, COMMIT. Per handle: transactions/s and client CPU per transaction
 (`time.process_time`), interleaved in rounds so drift hits all alike. The baseline
 `hand_psycopg` writes the same rows with a hand-written multi-row INSERT ... VALUES on
-a psycopg connection (no key derivation, no trace context, no NOTIFY). Prints ONE JSON
-line; ratios are ours / hand-written (CPU: lower is better; throughput: higher).
+a psycopg connection (no key derivation, no trace context, no NOTIFY);
+`hand_sa_connection` the same rows by hand on an Engine's `begin()`, the stack of
+`sa_connection`. Prints ONE JSON line; ratios are ours / hand-written (CPU: lower is
+better; throughput: higher), and for `sa_connection` also against the same stack.
 """
 
 from __future__ import annotations
@@ -92,6 +94,19 @@ def main() -> int:
                 enqueue_many(conn, effects(n, i, queue))
                 conn.commit()
 
+    hand_sa = text("INSERT INTO outbox.effects (effect_key, kind, payload, headers, queue)"
+                   " VALUES (:k, 'bench', CAST(:p AS jsonb), '{}'::jsonb, :q)")
+
+    def hand_sa_connection(n: int, queue: str) -> None:
+        """The same rows by hand on the same stack as `sa_connection` (an Engine's
+        `begin()`): what enqueue itself adds there."""
+        insert = text("INSERT INTO public.bench_orders (n) VALUES (:n)")
+        for i in range(args.tx):
+            with engine.begin() as conn:
+                conn.execute(insert, {"n": i})
+                conn.execute(hand_sa, [{"k": f"{queue}:{i}:{j}", "p": json.dumps(
+                    {"i": i, "j": j}), "q": queue} for j in range(n)])
+
     def ours_sa_connection(n: int, queue: str) -> None:
         insert = text("INSERT INTO public.bench_orders (n) VALUES (:n)")
         for i in range(args.tx):
@@ -128,7 +143,8 @@ def main() -> int:
 
     loops: dict[str, Callable[[int, str], None]] = {
         "hand_psycopg": hand_psycopg, "psycopg": ours_psycopg,
-        "sa_connection": ours_sa_connection, "sa_session": ours_sa_session,
+        "hand_sa_connection": hand_sa_connection, "sa_connection": ours_sa_connection,
+        "sa_session": ours_sa_session,
         "psycopg_async": ours_psycopg_async, "sa_async_session": ours_sa_async_session,
     }
     for r in range(args.rounds):
@@ -153,6 +169,12 @@ def main() -> int:
             "throughput_ratio_vs_hand": round(median(got["tx_per_s"])
                                               / median(base["tx_per_s"]), 2),
         }
+        if name == "sa_connection":  # against the same rows by hand on the same stack
+            same = results[f"hand_sa_connection/{n}"]
+            summary["cells"][key]["cpu_ratio_vs_hand_same_stack"] = round(
+                median(got["cpu_us_per_tx"]) / median(same["cpu_us_per_tx"]), 2)
+            summary["cells"][key]["throughput_ratio_vs_hand_same_stack"] = round(
+                median(got["tx_per_s"]) / median(same["tx_per_s"]), 2)
     with engine.begin() as conn:
         conn.execute(text("DELETE FROM outbox.effects WHERE queue LIKE :q"),
                      {"q": f"bench-{run}-%"})
