@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -55,7 +56,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -475,17 +476,19 @@ def worker_main(argv: Sequence[str]) -> int:
 
             # BENCH_PROFILE_CPU=1: each thread's CPU time (time.thread_time), not the
             # wall clock, which charges a blocked wait to the function that waits.
-            timer = time.thread_time if os.environ.get("BENCH_PROFILE_CPU") else None
-            prof = cProfile.Profile(timer) if timer else cProfile.Profile()
+            profiler: Callable[[], Any] = (
+                functools.partial(cProfile.Profile, time.thread_time)
+                if os.environ.get("BENCH_PROFILE_CPU") else cProfile.Profile)
+            prof = profiler()
             prof.enable()
 
             # Every thread started from here on (delivery pool, completer) gets its own
             # profiler; all are merged into one file: the whole worker, not its loop only.
             def boot(frame: Any, event: str, arg: Any,
                      thread_profs: list[Any] = thread_profs,
-                     timer: Any = timer) -> None:
+                     profiler: Callable[[], Any] = profiler) -> None:
                 sys.setprofile(None)
-                p = cProfile.Profile(timer) if timer else cProfile.Profile()
+                p = profiler()
                 thread_profs.append(p)
                 p.enable()
 

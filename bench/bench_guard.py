@@ -479,28 +479,24 @@ class StormChildren:
                 raise RuntimeError(f"storm child {kid.pid} did not get ready")
         return self
 
-    def storm(self, scope: str, key: str, mode: Mode) -> list[tuple[str, float]]:
-        order = json.dumps({"scope": scope, "key": key, "mode": mode,
-                            "at": time.time() + 0.3})
+    def _order(self, **fields: Any) -> list[dict[str, Any]]:
+        """The same order to every child, to start 0.3 s from now; their answers."""
+        order = json.dumps({**fields, "at": time.time() + 0.3})
         for kid in self.kids:
             assert kid.stdin is not None
             kid.stdin.write(order + "\n")
             kid.stdin.flush()
-        outcomes: list[tuple[str, float]] = []
-        for kid in self.kids:
-            outcomes += [(o, t) for o, t in self._line(kid)["outcomes"]]
-        return outcomes
+        return [self._line(kid) for kid in self.kids]
+
+    def storm(self, scope: str, key: str, mode: Mode) -> list[tuple[str, float]]:
+        return [(o, t) for answer in self._order(scope=scope, key=key, mode=mode)
+                for o, t in answer["outcomes"]]
 
     def loop(self, variant: str, scope: str, seconds: float) -> int:
         """Every child runs `variant` on its one thread for `seconds` from the same
         start; the requests done in all."""
-        order = json.dumps({"loop": variant, "scope": scope, "seconds": seconds,
-                            "at": time.time() + 0.3})
-        for kid in self.kids:
-            assert kid.stdin is not None
-            kid.stdin.write(order + "\n")
-            kid.stdin.flush()
-        return sum(int(self._line(kid)["done"]) for kid in self.kids)
+        return sum(int(answer["done"]) for answer in
+                   self._order(loop=variant, scope=scope, seconds=seconds))
 
     def __exit__(self, *exc: object) -> None:
         for kid in self.kids:

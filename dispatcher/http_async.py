@@ -63,20 +63,12 @@ class _Sending:
 _NO_TIMEOUT = aiohttp.ClientTimeout(total=None)  # ours is the attempt's one deadline
 
 
-def _before_status(exc: aiohttp.ClientError, sending: _Sending) -> DeliveryError:
-    """A client error before the status came back: a plain retry if nothing reached
-    the receiver, else ambiguous."""
+def _before_status(exc: Exception, sending: _Sending, after_sending: str) -> DeliveryError:
+    """A failure before the status came back: a plain retry if nothing reached the
+    receiver, else ambiguous (`after_sending` says how)."""
     if not sending.sent:
         return TransientFailure(redact_secrets(f"could not send the request: {exc!r}"))
-    return AmbiguousOutcome(redact_secrets(f"no answer after sending: {exc!r}"))
-
-
-def _unanswered(exc: TimeoutError, sending: _Sending, timeout: float) -> DeliveryError:
-    """The deadline before the status: a plain retry if nothing was sent."""
-    if not sending.sent:
-        return TransientFailure(redact_secrets(f"could not send the request: {exc!r}"))
-    return AmbiguousOutcome(redact_secrets(
-        f"no answer by the attempt's deadline ({timeout:g} s at most): {exc!r}"))
+    return AmbiguousOutcome(redact_secrets(f"{after_sending}: {exc!r}"))
 
 
 async def _headers_sent(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
@@ -200,11 +192,12 @@ class AsyncHttpHandler:
                         self._url, json=effect.payload, headers=headers,
                         allow_redirects=False, timeout=_NO_TIMEOUT, trace_request_ctx=sending)
                 except aiohttp.ClientError as exc:
-                    raise _before_status(exc, sending) from exc
+                    raise _before_status(exc, sending, "no answer after sending") from exc
                 truncated = await self._read_prefix(response, prefix)
         except TimeoutError as exc:
             if response is None:
-                raise _unanswered(exc, sending, self.timeout) from exc
+                raise _before_status(exc, sending, "no answer by the attempt's deadline "
+                                     f"({self.timeout:g} s at most)") from exc
             truncated = True  # the deadline came while the body arrived
         finally:
             if response is not None:

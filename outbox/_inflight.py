@@ -65,12 +65,13 @@ class InFlight:
         mine = (fingerprint, now + min(ttl, HORIZON))
         with self._lock:
             held = self._held.get(slot)
-            registered = held is None or held[1] <= now
-            if registered:
+            if held is not None and held[1] > now:  # a request in flight, fresh
+                if held[0] == fingerprint:
+                    raise busy()
+                registered = False  # another body: the database answers it
+            else:
                 self._held[slot] = mine
-            elif held is not None and held[0] == fingerprint:
-                raise busy()
-            # else another request's twin (other fingerprint): the database answers it
+                registered = True
         try:
             yield
         finally:

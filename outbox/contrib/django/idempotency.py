@@ -555,12 +555,13 @@ class Idempotency:
             return problem(exc)
         mode = self.mode or self._settings().mode
         try:
-            with self.guard().in_flight(connection_for(prepared.using), prepared.scope,
-                                        prepared.key, prepared.fingerprint):
+            guard = self.guard()
+            with guard.in_flight(connection_for(prepared.using), prepared.scope,
+                                 prepared.key, prepared.fingerprint):
                 if mode == "phased":
-                    full, replayed = self._run_phased(request, prepared, view)
+                    full, replayed = self._run_phased(request, prepared, view, guard)
                 else:
-                    full, replayed = self._run_atomic(request, prepared, view)
+                    full, replayed = self._run_atomic(request, prepared, view, guard)
         except IdempotencyConflict as exc:
             return problem(exc)
         except (DatabaseError, psycopg.Error) as exc:
@@ -571,9 +572,9 @@ class Idempotency:
             return problem(found)
         return to_response(full, replayed=replayed)
 
-    def _run_atomic(self, request: Any, prepared: IdempotentRequest, view: Callable[[], Any]
-                    ) -> tuple[StoredResponse, bool]:
-        guard, using = self.guard(), prepared.using
+    def _run_atomic(self, request: Any, prepared: IdempotentRequest, view: Callable[[], Any],
+                    guard: IdempotencyGuard) -> tuple[StoredResponse, bool]:
+        using = prepared.using
         outcome: tuple[StoredResponse, bool] | None = None
         for attempt in self._attempts(using):
             with attempt, transaction.atomic(using=using):
@@ -593,15 +594,15 @@ class Idempotency:
         assert outcome is not None
         return outcome
 
-    def _run_phased(self, request: Any, prepared: IdempotentRequest, view: Callable[[], Any]
-                    ) -> tuple[StoredResponse, bool]:
+    def _run_phased(self, request: Any, prepared: IdempotentRequest, view: Callable[[], Any],
+                    guard: IdempotencyGuard) -> tuple[StoredResponse, bool]:
         """The claim commits first (twins see it), the work in one atomic block after.
 
         Run with the guard's own flows on Django's connection: `IdempotencyGuard.claim`
         opens its transaction on an Engine or psycopg connection, and Django's psycopg
         connection loads jsonb as text, which the replay path reads (see db.py).
         """
-        guard, using = self.guard(), prepared.using
+        using = prepared.using
         if connection_for(using).in_atomic_block:
             raise ConfigurationError(
                 "phased mode commits its claim before the view runs: the view must not be "
