@@ -380,6 +380,7 @@ def _ids(messages: list[Any]) -> set[str]:
     ({"STORED_HEADERS": ["content-type", "set-cookie"]}, "outbox.E001"),
     ({"DOORBELLS": "tests.test_django.ring"}, "outbox.E001"),
     ({"HANDLERS": "no-colon"}, "outbox.E001"),
+    ({"LOCAL_TWINS": "yes"}, "outbox.E001"),
     ({"DATABASE": "nope"}, "outbox.E002"),
     ({"DATABASE": "sqlite"}, "outbox.E003"),
     ({"DATABASE": "manual"}, "outbox.E007"),
