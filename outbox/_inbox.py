@@ -54,6 +54,10 @@ MAX_BATCH = 10_000
 # `inbox.conflicts` and the `outbox.inbox.events` counter still count every copy.
 MAX_CONFLICT_COPIES = 10
 DEFAULT_PURGE_BATCH = 500
+# How long a purge keeps looking for rows its batches skipped because an ingestion held
+# them, and how often: an ingestion holds a row for one short transaction.
+PURGE_SETTLE = 0.5
+PURGE_SETTLE_POLL = 0.02
 _INSERT_ATTEMPTS = 5
 
 Key = tuple[str, str]
@@ -525,17 +529,34 @@ def check_retention(what: str, window: float, batch: int,
                 f"{_seconds(horizon):g}s of source {source!r}: {_CONSEQUENCES[what]}")
 
 
-def _purge_batches(engine: Engine, step: Callable[[Connection], int], batch: int,
-                   pause: float) -> int:
+def _purge_batches(engine: Engine, step: Callable[[Connection], int],
+                   remain: Callable[[Connection], bool], batch: int, pause: float,
+                   settle: float = PURGE_SETTLE) -> int:
+    """Delete batch after batch until none is left, then look again for skipped rows.
+
+    A batch skips the rows an ingestion holds, so a short batch does not prove the
+    window empty. A held row is held for one short transaction: while an old row is
+    still there the purge tries again for up to `settle` seconds, and only a row held
+    longer than that is left to the next run.
+    """
     total = 0
+    give_up: float | None = None
     while True:
         with engine.begin() as conn:
             deleted = step(conn)
         total += deleted
-        if deleted < batch:
+        if deleted >= batch:
+            if pause > 0:
+                time.sleep(pause)
+            continue
+        with engine.connect() as conn:
+            if not remain(conn):
+                return total
+        now = time.monotonic()
+        give_up = now + settle if give_up is None else give_up
+        if now >= give_up:
             return total
-        if pause > 0:
-            time.sleep(pause)
+        time.sleep(PURGE_SETTLE_POLL)
 
 
 def purge_inbox(engine: Engine, older_than: float | timedelta,
@@ -555,7 +576,7 @@ def purge_inbox(engine: Engine, older_than: float | timedelta,
     check_retention("inbox", window, batch, source_horizons)
     return _purge_batches(
         engine, lambda conn: sql.purge_processed_events(conn, window, batch, now=clock()),
-        batch, pause)
+        lambda conn: sql.processed_events_remain(conn, window, now=clock()), batch, pause)
 
 
 def purge_inbox_conflicts(engine: Engine, older_than: float | timedelta,
@@ -573,7 +594,7 @@ def purge_inbox_conflicts(engine: Engine, older_than: float | timedelta,
     check_retention("inbox_conflicts", window, batch, source_horizons)
     return _purge_batches(
         engine, lambda conn: sql.purge_conflicts(conn, window, batch, now=clock()),
-        batch, pause)
+        lambda conn: sql.conflicts_remain(conn, window, now=clock()), batch, pause)
 
 
 def purge_entity_versions(engine: Engine, older_than: float | timedelta,

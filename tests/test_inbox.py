@@ -571,6 +571,28 @@ def test_f37_purge_skips_rows_an_open_ingestion_holds(engine: Engine) -> None:
     assert purge_inbox(engine, timedelta(days=7)) == 1
 
 
+def test_f37_purge_deletes_a_row_it_skipped_once_its_ingestion_commits(engine: Engine) -> None:
+    """A short batch is not proof the window is empty: the skipped row is looked for again.
+
+    The purge's only batch skips the held row; the holder commits 0.15 s later and the
+    same purge call deletes it (with one look only, the row was left: CI saw it).
+    """
+    old = datetime.now(UTC) - timedelta(days=10)
+    with engine.begin() as conn:
+        ingest_many(conn, [IncomingEvent("s", f"e{i}", {"i": i}) for i in range(10)],
+                    clock=lambda: old)
+    with engine.connect() as holder:
+        holder.begin()
+        assert ingest(holder, "s", "e3", {"i": "changed"}).outcome is CONFLICT  # row lock
+        release = threading.Timer(0.15, holder.commit)
+        release.start()
+        try:
+            assert purge_inbox(engine, timedelta(days=7), batch=500) == 10
+        finally:
+            release.join()
+    assert scalar(engine, "SELECT count(*) FROM outbox.inbox WHERE source = 's'") == 0
+
+
 def test_f37_retention_under_load_does_not_block_ingestion(engine: Engine) -> None:
     old = datetime.now(UTC) - timedelta(days=10)
     n_old = 20_000

@@ -349,6 +349,24 @@ def purge_processed_events(conn: Connection, older_than_seconds: float, batch: i
     return conn.execute(_PURGE_PROCESSED, params).rowcount
 
 
+# A plain read, no lock: it sees the rows a purge batch skipped because an ingestion
+# held them (their committed version is still there).
+_PROCESSED_EVENTS_REMAIN = text(
+    f"""
+    SELECT EXISTS (SELECT 1 FROM outbox.inbox
+                    WHERE received_at < {_NOW} - make_interval(secs => :older_than)
+                      AND processed_at IS NOT NULL)
+    """
+)
+
+
+def processed_events_remain(conn: Connection, older_than_seconds: float,
+                            now: datetime | None = None) -> bool:
+    """Whether a processed event received before the window is still stored."""
+    params = {"older_than": older_than_seconds, "now": now}
+    return bool(conn.execute(_PROCESSED_EVENTS_REMAIN, params).scalar_one())
+
+
 # Conflict copies are evidence, not state: nothing reads them back. Walking the primary
 # key (ids grow with time) finds the old rows first without an index on received_at.
 _PURGE_CONFLICTS = text(
@@ -369,6 +387,21 @@ def purge_conflicts(conn: Connection, older_than_seconds: float, batch: int,
     """Delete up to `batch` conflict copies received before the window; oldest first."""
     params = {"older_than": older_than_seconds, "batch": batch, "now": now}
     return conn.execute(_PURGE_CONFLICTS, params).rowcount
+
+
+_CONFLICTS_REMAIN = text(
+    f"""
+    SELECT EXISTS (SELECT 1 FROM outbox.inbox_conflicts
+                    WHERE received_at < {_NOW} - make_interval(secs => :older_than))
+    """
+)
+
+
+def conflicts_remain(conn: Connection, older_than_seconds: float,
+                     now: datetime | None = None) -> bool:
+    """Whether a conflict copy received before the window is still stored."""
+    params = {"older_than": older_than_seconds, "now": now}
+    return bool(conn.execute(_CONFLICTS_REMAIN, params).scalar_one())
 
 
 # One page of the primary key per call (keyset: `> after`), so the whole purge reads the
