@@ -37,6 +37,7 @@ from dispatcher.executor import Executor, SlotPool, _crashpoint, _db_text, _json
 from dispatcher.handlers import Registry
 from dispatcher.policy import RetryPolicy
 from dispatcher.producer import FULL_SCAN_EVERY, Producer, backend_pid, db_retry
+from dispatcher.watch import Watch
 from outbox._idempotency import Clock, database_clock
 from outbox.sql import dispatch as sql
 from outbox.sql.dispatch import Claimed, Outcome
@@ -131,6 +132,9 @@ class Dispatcher:
                                    labels=metric_labels, keep_for=lease)
         self.completer.on_written = self.wake.set
         self.completer.on_unblocked = self.producer.rescan
+        # Set by `run_worker` (a worker a NOTIFY wakes): while busy it keeps watch over
+        # the queue and enqueuers skip the NOTIFY (dispatcher/watch.py).
+        self.watch: Watch | None = None
         self._pool: SlotPool[tuple[Claimed, float]] = SlotPool(
             concurrency, "outbox-deliver", self._run_one)
         self._lock = threading.Lock()
@@ -337,6 +341,8 @@ class Dispatcher:
         Returns True when claiming stopped at `claim_until` (more may be due).
         """
         draining = poll_interval is None
+        # Only a loop a NOTIFY would wake keeps watch (not a drain, not a shutdown).
+        watch = None if draining else self.watch
         last_empty: float | None = None
         rung = claim_failed = out_of_time = False
         # With one slot, one thing at a time: the outcome is written before the next
@@ -371,8 +377,13 @@ class Dispatcher:
                 # Outcomes not yet written hold their ordering keys' successors back: an
                 # empty claim then does not mean nothing is due.
                 unwritten = self.completer.backlog
+                watched = watch is not None and watch.due(now)
+                if watched and watch is not None and not watch.watching:
+                    # Some transactions listed when the watch ended are over: their rows
+                    # may sit behind the watermark (ids taken before they committed).
+                    self.producer.rescan()
                 if not out_of_time and not claim_failed and self._want_claim(now) and (
-                        draining or rung or last_empty is None
+                        draining or rung or watched or last_empty is None
                         or now - last_empty >= (poll_interval or 0.0)):
                     rung = False
                     tried = True
@@ -383,6 +394,8 @@ class Dispatcher:
                     claimed = got or 0
                     if claimed == 0:
                         last_empty = time.monotonic()
+                    if watch is not None and got is not None:
+                        watch.after_claim(claimed, time.monotonic())
                 if draining:
                     # Under the lock `_finished` hands an outcome over with: a delivery
                     # that ended after `unwritten` was read is not written yet either.
@@ -401,6 +414,9 @@ class Dispatcher:
                         timeout = min(poll_interval or 0.25, 0.25)
                     else:
                         timeout = poll_interval or 0.25
+                    if watch is not None:
+                        cap = watch.timeout(time.monotonic())
+                        timeout = timeout if cap is None else min(timeout, cap)
                     self.wake.wait(min(timeout, max(0.0, finish_until - time.monotonic())))
                 if background and self.completer.pending:
                     self.completer.kick()
@@ -408,6 +424,8 @@ class Dispatcher:
                 if on_tick is not None:
                     on_tick()
         finally:
+            if watch is not None:
+                watch.close()  # claiming is over: enqueuers ring again
             try:
                 # Not final: a Dispatcher outlives its loop (a Celery drain, then the
                 # next); `shutdown` is the final write.

@@ -26,6 +26,7 @@ from sqlalchemy import Engine, make_url
 
 from dispatcher._core import Dispatcher
 from dispatcher.producer import spaced
+from dispatcher.watch import Watch
 from outbox._config import NOTIFY_CHANNEL, call_timeout_of
 from outbox._connections import connect
 from outbox.retention import ScheduledRetention
@@ -108,6 +109,11 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
     if listen:
+        # Busy, the worker keeps watch and enqueuers skip the NOTIFY (dispatcher/watch.py).
+        dsn, timeout = _psycopg_dsn(dispatcher.engine), call_timeout_of(dispatcher.engine)
+        dispatcher.watch = Watch(dispatcher.queue, lambda: connect(
+            dsn, call_timeout=timeout, autocommit=True,
+            application_name=f"{application_name}-watch"))
         threading.Thread(
             target=listen_for_due, daemon=True,
             name="outbox-listen" if label is None else f"outbox-listen-{label}",

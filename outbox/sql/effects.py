@@ -19,9 +19,11 @@ from outbox._driver import Query, Result, nothing, sql
 
 _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 
-# The doorbell rides in the same statement: `bell` NOTIFYs each queue that got a new
-# row (PostgreSQL delivers it only if the transaction commits, and folds repeats), and
-# the one-time filter on it makes the planner run it once. One round trip per enqueue.
+# The doorbell rides in the same statement: `bell` rings each queue that got a new row
+# (`outbox.ring`, migration 0010: a NOTIFY, which PostgreSQL delivers only if the
+# transaction commits and folds repeats, unless a worker keeps watch over the queue:
+# dispatcher/watch.py), and the one-time filter on it makes the planner run it once.
+# One round trip per enqueue.
 # The rows travel as ONE jsonb parameter (`jsonb_to_recordset`), not nine arrays:
 # dumping parallel arrays cost ~200 µs of client CPU per enqueue in psycopg, a JSON
 # string built by the C encoder a few µs; payloads ride in it as JSON, not as text.
@@ -58,7 +60,7 @@ EFFECT_CTES = f"""
           FROM t JOIN keyed ON keyed.effect_key = t.k
         RETURNING id, effect_key, queue
     ), bell AS (
-        SELECT pg_notify(:channel, queue) FROM (SELECT DISTINCT queue FROM ins) AS d
+        SELECT outbox.ring(:channel, queue) FROM (SELECT DISTINCT queue FROM ins) AS d
     )
 """
 

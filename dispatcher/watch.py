@@ -1,0 +1,170 @@
+"""`Watch`: a busy worker keeps watch over its queue, and enqueuers stop ringing.
+
+A NOTIFY serializes commits (migration 0010 says how much): under load, the doorbell
+itself caps how many enqueueing transactions the database commits. A worker that is
+claiming rows anyway does not need it. After `START_AFTER` claims in a row that took
+rows, the worker takes a watch slot (a session advisory lock on a connection of its
+own); while one is held, `outbox.ring` skips the NOTIFY and the worker claims every
+`POLL` seconds instead of waiting to be rung. After `LINGER` seconds of empty claims it
+gives the slot back and lists the transactions enqueueing for the queue at that moment
+(each took a shared lock before it looked at the slots): any of them may have skipped
+the bell, so the worker claims again (behind its watermark) each time some of them
+end, until none is left. At 200 effects/s a claim takes one row and the next finds
+none: no watch is kept, and every enqueue rings, as before.
+
+Up to four workers of one queue keep watch at once (`outbox.sql.watch.SLOTS`); the
+others keep waiting to be rung or to poll. A failure of the watch connection drops the
+watch and the list: its session's end gives the slot back, and the listed rows are
+found by polling, as after a lost NOTIFY. So is a row whose bell was skipped when the
+loop ends (shutdown) before its transaction commits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import psycopg
+
+from outbox._connections import BoundedConnection
+from outbox.sql import watch as sql
+
+log = logging.getLogger("outbox.watch")
+
+T = TypeVar("T")
+
+START_AFTER = 3  # claims in a row that took rows before a worker keeps watch
+LINGER = 0.02  # seconds of empty claims before it stops
+POLL = 0.002  # seconds between claims while it keeps watch
+LOOK_MAX = 0.05  # the longest gap between two looks at the listed transactions
+PROBE_EVERY = 2.0  # a watch connection idle this long is probed
+IDLE_SESSION_TIMEOUT_MS = 10_000  # the server ends a watch session gone silent
+
+
+class Watch:
+    """The watch of one worker over one queue; driven by `Dispatcher._loop`.
+
+    `connect` opens an autocommit connection of its own: a session lock must not go
+    back to a pool.
+    """
+
+    def __init__(self, queue: str, connect: Callable[[], BoundedConnection], *,
+                 start_after: int = START_AFTER, linger: float = LINGER,
+                 poll: float = POLL) -> None:
+        self.queue = queue
+        self._connect = connect
+        self.start_after = start_after
+        self.linger = linger
+        self.poll = poll
+        self._conn: BoundedConnection | None = None
+        self._slot: int | None = None
+        self._streak = 0
+        self._last_rows = 0.0  # time.monotonic() of the last claim that took rows
+        self._last_used = 0.0
+        self._waiting: list[str] = []  # enqueuers listed when the watch ended
+        self._next_look = 0.0
+        self._look_gap = poll
+        self.watches = 0  # watches kept so far (a counter for tests and stats)
+
+    @property
+    def watching(self) -> bool:
+        return self._slot is not None
+
+    @property
+    def waiting(self) -> int:
+        """Transactions listed at the watch's end and not yet seen to end."""
+        return len(self._waiting)
+
+    def after_claim(self, took: int, now: float) -> None:
+        """Start or stop watching after a claim that took `took` rows."""
+        if took > 0:
+            self._streak += 1
+            self._last_rows = now
+            if self._slot is None and self._streak >= self.start_after:
+                self._start(now)
+            return
+        self._streak = 0
+        if self._slot is not None and now - self._last_rows >= self.linger:
+            self._stop(now)
+
+    def due(self, now: float) -> bool:
+        """Whether the loop should claim now although nobody rang: while watching (its
+        wait is `timeout()`), or when some listed transactions ended."""
+        if self._slot is not None:
+            if now - self._last_used >= PROBE_EVERY:
+                self._use(lambda conn: conn.probe(), now)
+            return self._slot is not None
+        if not self._waiting or now < self._next_look:
+            return False
+        left = self._use(lambda conn: sql.enqueuers(conn, self.queue, self._waiting), now)
+        if left is None:
+            return False
+        ended = len(left) < len(self._waiting)
+        self._waiting = left
+        if not left:
+            self.close()  # nothing to watch or wait for: no idle session kept
+        self._look_gap = self.poll if ended else min(self._look_gap * 2, LOOK_MAX)
+        self._next_look = now + self._look_gap
+        return ended
+
+    def timeout(self, now: float) -> float | None:
+        """The longest the loop may wait before `due` may say yes; None: no limit."""
+        if self._slot is not None:
+            return self.poll
+        if self._waiting:
+            return max(0.0, self._next_look - now)
+        return None
+
+    def close(self) -> None:
+        """Give the slot back (closing the session gives back its locks)."""
+        conn, self._conn, self._slot, self._waiting = self._conn, None, None, []
+        if conn is not None:
+            conn.close()
+
+    # -- inside ------------------------------------------------------------------------
+
+    def _start(self, now: float) -> None:
+        slot = self._use(lambda conn: sql.take_slot(conn, self.queue), now)
+        if slot is not None:
+            self._slot = slot
+            self.watches += 1
+            log.debug("queue %s: keeping watch (slot %d)", self.queue, slot)
+
+    def _stop(self, now: float) -> None:
+        slot = self._slot
+        assert slot is not None
+        # The slot first, the list after: a transaction that looked at the slot while it
+        # was held took its lock before, so it is on the list (or committed).
+        if self._use(lambda conn: sql.give_slot(conn, self.queue, slot), now) is None:
+            return
+        self._slot = None
+        listed = self._use(lambda conn: sql.enqueuers(conn, self.queue), now)
+        self._waiting = listed or []
+        if not self._waiting:
+            self.close()
+        self._look_gap = self.poll
+        self._next_look = now + self.poll
+        log.debug("queue %s: watch ended, %d enqueuers to outlast", self.queue,
+                  len(self._waiting))
+
+    def _use(self, step: Callable[[BoundedConnection], T], now: float) -> T | None:
+        """Run `step` on the watch connection; on any failure drop the watch (None)."""
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = self._open()
+            result = step(self._conn)
+        except (psycopg.Error, OSError) as exc:
+            log.warning("queue %s: the watch connection failed (%s); the doorbell rings "
+                        "again and polling finds what it silenced", self.queue, exc)
+            self.close()
+            return None
+        self._last_used = now
+        return result
+
+    def _open(self) -> BoundedConnection:
+        conn = self._connect()
+        if conn.info.server_version >= 140000:
+            # A worker whose host vanished keeps no slot (and no silence) for long.
+            conn.execute(f"SET idle_session_timeout = {IDLE_SESSION_TIMEOUT_MS}")
+        return conn

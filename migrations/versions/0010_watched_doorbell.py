@@ -1,0 +1,68 @@
+"""The doorbell rings only when no worker keeps watch over the queue (issue 11, scale).
+
+A NOTIFY serializes commits: from PreCommit_Notify until after the commit record is
+flushed, the notifying transaction holds the one notify-queue lock of the cluster, so
+notifying transactions cannot share a WAL flush. pgbench on the 2-core box (our
+bench/bench_doorbell.py): 8 300 enqueue transactions/s at 4 clients without a NOTIFY,
+4 500 with one; 9 100 against 4 400 at 8.
+
+`outbox.ring(channel, queue)` replaces the enqueue's `pg_notify`. A worker busy on a
+queue keeps watch (dispatcher/watch.py): it holds one of `WATCH_SLOTS` (4) session
+advisory locks (0x6F757464 + slot, hashtext(queue)) and claims every few milliseconds
+instead of waiting to be rung. `ring`:
+
+1. takes a shared transaction lock (0x6F757463, hashtext(queue)) that tells a watcher
+   this transaction may have skipped the bell (held until the transaction ends);
+2. then looks at the slots, each with a shared try-lock given back at once (it waits
+   for nothing, and holds nothing past this call): a slot it cannot take is held by a
+   watcher, and the NOTIFY is skipped; otherwise it NOTIFYs, as before.
+
+A watcher that stops watching first gives its slot back, then lists the transactions
+holding the shared lock (pg_locks) and claims again as they end: every transaction
+that skipped the bell took that lock before it looked at the slot, so it is on the
+list or already committed. Locks are not MVCC: this holds at any isolation level. A
+watcher whose session ends (a crash) gives its slot back with it; rows whose bell it
+silenced are then found by the other workers' polling, as after a lost NOTIFY.
+
+A hashtext collision between two queues makes one's watcher silence the other's bell:
+that queue's rows wait for its workers' polling (as after a lost NOTIFY), never lost.
+
+Revision ID: 0010
+Revises: 0009
+Create Date: 2026-12-05
+"""
+
+from __future__ import annotations
+
+from alembic import op
+
+revision = "0010"
+down_revision = "0009"
+branch_labels = None
+depends_on = None
+
+_RING = """
+CREATE FUNCTION outbox.ring(p_channel text, p_queue text) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_queue int4 := hashtext(p_queue);
+    v_slot int4;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(1869968483, v_queue);
+    FOR v_slot IN 1869968484 .. 1869968487 LOOP
+        IF NOT pg_try_advisory_lock_shared(v_slot, v_queue) THEN
+            RETURN;  -- a watcher holds this slot: it will look
+        END IF;
+        PERFORM pg_advisory_unlock_shared(v_slot, v_queue);
+    END LOOP;
+    PERFORM pg_notify(p_channel, p_queue);
+END $$
+"""
+
+
+def upgrade() -> None:
+    op.execute(_RING)
+
+
+def downgrade() -> None:
+    op.execute("DROP FUNCTION outbox.ring(text, text)")

@@ -1,0 +1,62 @@
+"""A busy worker's watch over its queue, which silences the enqueue's doorbell.
+
+The protocol and why it is safe: migration 0010 (`outbox.ring`) and dispatcher/watch.py.
+The lock keys here must be the ones `outbox.ring` uses: the two-int advisory form, a key
+space apart from the guard's bigint locks; (ENQUEUING, hashtext(queue)) is held shared
+by every transaction that rang, or skipped ringing, for the queue; (SLOTS[i],
+hashtext(queue)) is held by the i-th watcher of the queue, for its session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from outbox._driver import sql as _sql
+from outbox._driver import sync_db
+
+ENQUEUING = 0x6F757463
+SLOTS = tuple(range(0x6F757464, 0x6F757468))  # outbox.ring looks at these four
+
+_TAKE_SLOT = _sql(
+    "SELECT pg_try_advisory_lock(CAST(:slot AS int4), hashtext(:queue))")
+_GIVE_SLOT = _sql(
+    "SELECT pg_advisory_unlock(CAST(:slot AS int4), hashtext(:queue))")
+
+# pg_locks shows a two-int advisory lock as (classid, objid) = the two keys as oids,
+# objsubid = 2; hashtext's int4 is read as an unsigned oid there.
+_ENQUEUERS = _sql(
+    f"""
+    SELECT coalesce(array_agg(virtualtransaction), CAST('{{}}' AS text[]))
+      FROM pg_locks
+     WHERE locktype = 'advisory' AND objsubid = 2 AND granted
+       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND classid = CAST({ENQUEUING} AS oid)
+       AND objid = CAST((CAST(hashtext(:queue) AS int8) + 4294967296) % 4294967296 AS oid)
+       AND (CAST(:among AS text[]) IS NULL OR virtualtransaction = ANY(:among))
+    """
+)
+
+
+def take_slot(conn: Any, queue: str) -> int | None:
+    """Take a free watch slot of `queue` for this session, without waiting; its index."""
+    db = sync_db(conn)
+    for index, slot in enumerate(SLOTS):
+        if db.execute(_TAKE_SLOT, {"slot": slot, "queue": queue}).scalar():
+            return index
+    return None
+
+
+def give_slot(conn: Any, queue: str, index: int) -> bool:
+    """Give the slot back: transactions that look at it from now on ring the bell.
+    False if this session did not hold it."""
+    return bool(sync_db(conn).execute(_GIVE_SLOT, {"slot": SLOTS[index],
+                                                   "queue": queue}).scalar())
+
+
+def enqueuers(conn: Any, queue: str, among: Sequence[str] | None = None) -> list[str]:
+    """The transactions (virtual ids) now enqueueing for `queue`, or those of `among`
+    still at it: a transaction in it may have skipped the bell for a row not committed
+    yet. Reads pg_locks, which takes every lock-manager partition briefly."""
+    params = {"queue": queue, "among": None if among is None else list(among)}
+    return list(sync_db(conn).execute(_ENQUEUERS, params).scalar() or [])
