@@ -89,11 +89,13 @@ def sweep(engine: Engine) -> list[int]:
 def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: float = 10.0,
                stop: threading.Event | None = None, install_signals: bool = True,
                listen: bool = True, application_name: str = "outbox-worker",
-               label: str | None = None) -> None:
+               label: str | None = None, watch: bool | None = None) -> None:
     """Run until SIGTERM/SIGINT (or `stop`), then shut down gracefully.
 
     `listen=False` runs without the LISTEN/NOTIFY doorbell: polling every
     `poll_interval` seconds only (the benchmark's polling-only latency case).
+    `watch`: keep watch when busy, silencing the enqueue's NOTIFY (dispatcher/watch.py;
+    None: `OUTBOX_WATCH`, on unless "0"); only with `listen`.
     `label`: the database's short name, in log lines and the listener thread's name
     (one of several dispatchers in one process: dispatcher/fleet.py).
     Retention (outbox/retention.py, `OUTBOX_RETENTION*`) runs from the tick on a
@@ -108,12 +110,15 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
             dispatcher.wake.set()
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-    if listen:
+    if watch is None:
+        watch = os.environ.get("OUTBOX_WATCH", "1") != "0"
+    if listen and watch:
         # Busy, the worker keeps watch and enqueuers skip the NOTIFY (dispatcher/watch.py).
         dsn, timeout = _psycopg_dsn(dispatcher.engine), call_timeout_of(dispatcher.engine)
         dispatcher.watch = Watch(dispatcher.queue, lambda: connect(
             dsn, call_timeout=timeout, autocommit=True,
             application_name=f"{application_name}-watch"))
+    if listen:
         threading.Thread(
             target=listen_for_due, daemon=True,
             name="outbox-listen" if label is None else f"outbox-listen-{label}",

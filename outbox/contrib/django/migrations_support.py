@@ -24,6 +24,7 @@ MIGRATIONS: tuple[tuple[str, str], ...] = (
     ("0004_effect_keys", "0007"),
     ("0005_set_based_cascade", "0008"),
     ("0006_lock_and_read_key", "0009"),
+    ("0007_watched_doorbell", "0010"),
 )
 
 
