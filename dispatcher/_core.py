@@ -414,9 +414,10 @@ class Dispatcher:
                         timeout = min(poll_interval or 0.25, 0.25)
                     else:
                         timeout = poll_interval or 0.25
-                    if watch is not None:
-                        cap = watch.timeout(time.monotonic())
-                        timeout = timeout if cap is None else min(timeout, cap)
+                    cap = None if watch is None or self._free() <= 0 else \
+                        watch.timeout(time.monotonic())  # a freed slot rings anyway
+                    if cap is not None:
+                        timeout = min(timeout, cap)
                     self.wake.wait(min(timeout, max(0.0, finish_until - time.monotonic())))
                 if background and self.completer.pending:
                     self.completer.kick()

@@ -38,8 +38,9 @@ START_AFTER = 3  # claims in a row that took rows before a worker keeps watch
 LINGER = 0.02  # seconds of empty claims before it stops
 POLL = 0.002  # seconds between claims while it keeps watch
 LOOK_MAX = 0.05  # the longest gap between two looks at the listed transactions
-PROBE_EVERY = 2.0  # a watch connection idle this long is probed
-IDLE_SESSION_TIMEOUT_MS = 10_000  # the server ends a watch session gone silent
+PROBE_EVERY = 2.0  # a watch connection idle this long while watching is probed
+KEEP_FOR = 30.0  # a watch connection unused this long is closed (reopening costs ms)
+IDLE_SESSION_TIMEOUT_MS = 60_000  # the server ends a watch session gone silent
 
 
 class Watch:
@@ -95,15 +96,17 @@ class Watch:
             if now - self._last_used >= PROBE_EVERY:
                 self._use(lambda conn: conn.probe(), now)
             return self._slot is not None
-        if not self._waiting or now < self._next_look:
+        if not self._waiting:
+            if self._conn is not None and now - self._last_used >= KEEP_FOR:
+                self.close()  # no session kept idle for nothing
+            return False
+        if now < self._next_look:
             return False
         left = self._use(lambda conn: sql.enqueuers(conn, self.queue, self._waiting), now)
         if left is None:
             return False
         ended = len(left) < len(self._waiting)
         self._waiting = left
-        if not left:
-            self.close()  # nothing to watch or wait for: no idle session kept
         self._look_gap = self.poll if ended else min(self._look_gap * 2, LOOK_MAX)
         self._next_look = now + self._look_gap
         return ended
@@ -141,8 +144,6 @@ class Watch:
         self._slot = None
         listed = self._use(lambda conn: sql.enqueuers(conn, self.queue), now)
         self._waiting = listed or []
-        if not self._waiting:
-            self.close()
         self._look_gap = self.poll
         self._next_look = now + self.poll
         log.debug("queue %s: watch ended, %d enqueuers to outlast", self.queue,
