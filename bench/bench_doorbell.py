@@ -178,13 +178,13 @@ def stack_cell(watch: bool, clients: int, seconds: float) -> dict[str, Any]:
     for p in procs:
         p.start()
     time.sleep(2.0)  # imports and connections
-    delivered0 = dispatcher.stats.delivered
+    delivered0 = dispatcher.stats.recorded.get("delivered", 0)
     start.set()
     t0 = time.monotonic()
     for p in procs:
         p.join()
     took = time.monotonic() - t0
-    delivered = dispatcher.stats.delivered - delivered0
+    delivered = dispatcher.stats.recorded.get("delivered", 0) - delivered0
     stop.set()
     dispatcher.wake.set()
     worker.join(30)

@@ -2,26 +2,29 @@
 
 A NOTIFY serializes commits (migration 0010 says how much): under load, the doorbell
 itself caps how many enqueueing transactions the database commits. A worker that is
-claiming rows anyway does not need it. After `START_AFTER` claims in a row that took
-rows, the worker takes a watch slot (a session advisory lock on a connection of its
-own); while one is held, `outbox.ring` skips the NOTIFY and the worker claims every
-`POLL` seconds instead of waiting to be rung. After `LINGER` seconds of empty claims it
-gives the slot back and lists the transactions enqueueing for the queue at that moment
-(each took a shared lock before it looked at the slots): any of them may have skipped
-the bell, so the worker claims again (behind its watermark) each time some of them
-end, until none is left. At 200 effects/s a claim takes one row and the next finds
-none: no watch is kept, and every enqueue rings, as before.
+claiming rows anyway does not need it. Once its claims took `START_ROWS` rows within
+`WINDOW` seconds (1 000 effects/s), the worker takes a watch slot (a session advisory
+lock on a connection of its own); while one is held, `outbox.ring` skips the NOTIFY
+and the worker claims every `POLL` seconds instead of waiting to be rung. When its
+claims of the last `WINDOW` took fewer than `STOP_ROWS` rows it gives the slot back and
+lists the transactions enqueueing for the queue at that moment (each took a shared
+lock before it looked at the slots): any of them may have skipped the bell, so the
+worker claims again (behind its watermark) each time some of them end, until none is
+left. Below 1 000 effects/s no watch is kept and every enqueue rings, as before: a
+NOTIFY wakes a worker sooner than a poll every 2 ms does (at 200/s the watch added
+0.7 ms to the median start, bench/bench_dispatch.py's latency section).
 
 Up to four workers of one queue keep watch at once (`outbox.sql.watch.SLOTS`); the
 others keep waiting to be rung or to poll. A failure of the watch connection drops the
 watch and the list: its session's end gives the slot back, and the listed rows are
 found by polling, as after a lost NOTIFY. So is a row whose bell was skipped when the
-loop ends (shutdown) before its transaction commits.
+loop ends (shutdown) before its transaction commits. `OUTBOX_WATCH=0` turns it off.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -34,8 +37,9 @@ log = logging.getLogger("outbox.watch")
 
 T = TypeVar("T")
 
-START_AFTER = 3  # claims in a row that took rows before a worker keeps watch
-LINGER = 0.02  # seconds of empty claims before it stops
+WINDOW = 0.05  # seconds of claims the rate is read over
+START_ROWS = 50  # rows claimed within WINDOW to start watching (1 000/s)
+STOP_ROWS = 25  # fewer rows than this within WINDOW stop it (500/s)
 POLL = 0.002  # seconds between claims while it keeps watch
 LOOK_MAX = 0.05  # the longest gap between two looks at the listed transactions
 PROBE_EVERY = 2.0  # a watch connection idle this long while watching is probed
@@ -51,17 +55,18 @@ class Watch:
     """
 
     def __init__(self, queue: str, connect: Callable[[], BoundedConnection], *,
-                 start_after: int = START_AFTER, linger: float = LINGER,
-                 poll: float = POLL) -> None:
+                 start_rows: int = START_ROWS, stop_rows: int = STOP_ROWS,
+                 window: float = WINDOW, poll: float = POLL) -> None:
         self.queue = queue
         self._connect = connect
-        self.start_after = start_after
-        self.linger = linger
+        self.start_rows = start_rows
+        self.stop_rows = stop_rows
+        self.window = window
         self.poll = poll
+        self._recent: deque[tuple[float, int]] = deque()  # (when, rows) within window
+        self._rows = 0  # their sum
         self._conn: BoundedConnection | None = None
         self._slot: int | None = None
-        self._streak = 0
-        self._last_rows = 0.0  # time.monotonic() of the last claim that took rows
         self._last_used = 0.0
         self._waiting: list[str] = []  # enqueuers listed when the watch ended
         self._next_look = 0.0
@@ -79,14 +84,16 @@ class Watch:
 
     def after_claim(self, took: int, now: float) -> None:
         """Start or stop watching after a claim that took `took` rows."""
+        recent = self._recent
         if took > 0:
-            self._streak += 1
-            self._last_rows = now
-            if self._slot is None and self._streak >= self.start_after:
+            recent.append((now, took))
+            self._rows += took
+        while recent and recent[0][0] <= now - self.window:
+            self._rows -= recent.popleft()[1]
+        if self._slot is None:
+            if self._rows >= self.start_rows:
                 self._start(now)
-            return
-        self._streak = 0
-        if self._slot is not None and now - self._last_rows >= self.linger:
+        elif self._rows < self.stop_rows:
             self._stop(now)
 
     def due(self, now: float) -> bool:

@@ -47,8 +47,7 @@ def _enqueue_one(engine: Engine, key: str, queue: str = "default") -> None:
 
 
 def _start(watch: Watch) -> None:
-    for _ in range(watch.start_after):
-        watch.after_claim(5, time.monotonic())
+    watch.after_claim(watch.start_rows, time.monotonic())
     assert watch.watching
 
 
@@ -63,7 +62,7 @@ def test_a_worker_keeping_watch_silences_the_doorbell_of_its_queue_only(
         assert _rung(listener) == []  # fails if outbox.ring notifies anyway
         _enqueue_one(engine, "other", queue="other")
         assert _rung(listener) == ["other"]
-        watch.after_claim(0, time.monotonic() + 1)  # empty claims past the linger
+        watch.after_claim(0, time.monotonic() + 1)  # no rows for a whole window
         assert not watch.watching
         _enqueue_one(engine, "after")
         assert _rung(listener) == ["default"]
@@ -73,13 +72,18 @@ def test_a_worker_keeping_watch_silences_the_doorbell_of_its_queue_only(
 
 def test_slow_claims_never_keep_watch(engine: Engine,
                                       listener: psycopg.Connection[Any]) -> None:
-    """At a low rate a claim takes one row and the next none: every enqueue rings."""
+    """Below 1 000 rows/s no watch is kept: every enqueue rings (a NOTIFY wakes the
+    worker sooner than its polls every 2 ms would)."""
     watch = _watch(engine)
     try:
-        for _ in range(20):
-            watch.after_claim(1, time.monotonic())
-            watch.after_claim(0, time.monotonic())
+        t = time.monotonic()
+        for i in range(200):  # 800 rows/s for 0.25 s, in claims of 1 to 3 rows
+            watch.after_claim(1 + i % 3, t + i * 0.0025)
+            watch.after_claim(0, t + i * 0.0025 + 0.001)
         assert not watch.watching and watch.watches == 0
+        for i in range(30):  # 2 000 rows/s
+            watch.after_claim(2, t + 1 + i * 0.001)
+        assert watch.watching and watch.watches == 1
     finally:
         watch.close()
 
@@ -89,8 +93,7 @@ def test_four_workers_keep_watch_at_most_and_the_bell_waits_for_all_of_them(
     watches = [_watch(engine) for _ in range(5)]
     try:
         for w in watches:
-            for _ in range(w.start_after):
-                w.after_claim(5, time.monotonic())
+            w.after_claim(w.start_rows, time.monotonic())
         assert [w.watching for w in watches] == [True] * 4 + [False]
         for w in watches[:3]:
             w.after_claim(0, time.monotonic() + 1)
@@ -160,17 +163,17 @@ def test_a_row_whose_bell_was_skipped_is_claimed_when_its_transaction_commits(
     lock = threading.Lock()
 
     def handler(effect: Any) -> dict[str, bool]:
-        time.sleep(0.002)
+        time.sleep(0.0005)
         with lock:
             delivered[effect.key] += 1
         return {"ok": True}
 
     registry = Registry()
     registry.register("noop", handler)
-    backlog = keys("backlog", 400)
+    backlog = keys("backlog", 3000)
     add_effects(engine, backlog)
     _rung(listener, 0.1)
-    dispatcher = Dispatcher(engine, registry, concurrency=2, max_batch=2)
+    dispatcher = Dispatcher(engine, registry, concurrency=4, max_batch=4)
     stop = threading.Event()
     worker = threading.Thread(target=run_worker, args=(dispatcher,), kwargs={
         "poll_interval": 60.0, "grace": 5, "stop": stop, "install_signals": False})
