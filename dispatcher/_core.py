@@ -387,6 +387,7 @@ class Dispatcher:
                         or now - last_empty >= (poll_interval or 0.0)):
                     rung = False
                     tried = True
+                    claims = self.producer.claims
                     got = self._fill_or_back_off()
                     # Draining, a database that is unreachable ends claiming: finish
                     # what is in flight (the sweep rings again later).
@@ -394,8 +395,8 @@ class Dispatcher:
                     claimed = got or 0
                     if claimed == 0:
                         last_empty = time.monotonic()
-                    if watch is not None and got is not None:
-                        watch.after_claim(claimed, time.monotonic())
+                    if watch is not None and self.producer.claims != claims:
+                        watch.after_claim(claimed, self.producer.short, time.monotonic())
                 if draining:
                     # Under the lock `_finished` hands an outcome over with: a delivery
                     # that ended after `unwritten` was read is not written yet either.

@@ -246,6 +246,7 @@ class Producer:
         self.clock = clock
         self.full_scan_every = full_scan_every
         self._short = True  # the last claim took fewer rows than it asked for
+        self.claims = 0  # claim calls that returned (the watch counts on it)
         self._last_rescue = 0.0
         self._rescue_took = 0.0  # seconds the last claim with the rescue took
         self._rescan = False  # look behind the watermark at the next claim (`rescan`)
@@ -253,6 +254,11 @@ class Producer:
         # when (time.monotonic()) a full scan is due even under a saturated backlog.
         self.watermark: Watermark | None = None
         self._next_full_scan = 0.0
+
+    @property
+    def short(self) -> bool:
+        """The last claim took fewer rows than it asked for: all that was due."""
+        return self._short
 
     def rescan(self) -> None:
         """Look behind the watermark at the next claim: an effect with an ordering key
@@ -295,6 +301,7 @@ class Producer:
             self._next_full_scan = now + spaced(took, self.full_scan_every)
         rows = batch.rows
         self._short = len(rows) < limit
+        self.claims += 1
         if self._short or self.full_scan_every <= 0:
             self.watermark = None  # caught up: the next claim scans the whole queue
         elif batch.watermark is not None:

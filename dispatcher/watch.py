@@ -24,6 +24,7 @@ loop ends (shutdown) before its transaction commits. `OUTBOX_WATCH=0` turns it o
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
@@ -43,6 +44,7 @@ STOP_ROWS = 25  # fewer rows than this within WINDOW stop it (500/s)
 POLL = 0.002  # seconds between claims while it keeps watch
 LOOK_MAX = 0.05  # the longest gap between two looks at the listed transactions
 PROBE_EVERY = 2.0  # a watch connection idle this long while watching is probed
+NO_SLOT_BACKOFF = 1.0  # seconds before a worker that found no free slot asks again
 KEEP_FOR = 30.0  # a watch connection unused this long is closed (reopening costs ms)
 IDLE_SESSION_TIMEOUT_MS = 60_000  # the server ends a watch session gone silent
 
@@ -65,10 +67,13 @@ class Watch:
         self.poll = poll
         self._recent: deque[tuple[float, int]] = deque()  # (when, rows) within window
         self._rows = 0  # their sum
+        self._last_short = -math.inf  # the last claim that took all that was due
         self._conn: BoundedConnection | None = None
         self._slot: int | None = None
         self._last_used = 0.0
+        self._no_slot_until = 0.0  # all four slots taken: do not ask again before
         self._waiting: list[str] = []  # enqueuers listed when the watch ended
+        self._owed = False  # a claim is owed (the watch ended, or a listed one did)
         self._next_look = 0.0
         self._look_gap = poll
         self.watches = 0  # watches kept so far (a counter for tests and stats)
@@ -82,44 +87,56 @@ class Watch:
         """Transactions listed at the watch's end and not yet seen to end."""
         return len(self._waiting)
 
-    def after_claim(self, took: int, now: float) -> None:
-        """Start or stop watching after a claim that took `took` rows."""
+    def after_claim(self, took: int, short: bool, now: float) -> None:
+        """After a claim statement that took `took` rows (`short`: fewer than it
+        asked for, so it took all that was due): start or stop watching."""
+        self._owed = False  # this claim began after whatever owed it
         recent = self._recent
         if took > 0:
             recent.append((now, took))
             self._rows += took
         while recent and recent[0][0] <= now - self.window:
             self._rows -= recent.popleft()[1]
+        if short:
+            self._last_short = now
         if self._slot is None:
-            if self._rows >= self.start_rows:
+            # Only a worker that keeps up alone: with a backlog the others are needed,
+            # and they are woken by the bell.
+            if self._rows >= self.start_rows and short and now >= self._no_slot_until:
                 self._start(now)
-        elif self._rows < self.stop_rows:
+        elif self._rows < self.stop_rows or self._behind(now):
             self._stop(now)
 
     def due(self, now: float) -> bool:
         """Whether the loop should claim now although nobody rang: while watching (its
-        wait is `timeout()`), or when some listed transactions ended."""
+        wait is `timeout()`), once after the watch ended, and when some of the
+        transactions listed then ended. True until a claim statement has run
+        (`after_claim`): a claim the loop could not make (no free slot) stays owed."""
         if self._slot is not None:
-            if now - self._last_used >= PROBE_EVERY:
+            if self._behind(now):  # no free slot for a window: let the others be rung
+                self._stop(now)
+            elif now - self._last_used >= PROBE_EVERY:
                 self._use(lambda conn: conn.probe(), now)
-            return self._slot is not None
-        if not self._waiting:
-            if self._conn is not None and now - self._last_used >= KEEP_FOR:
-                self.close()  # no session kept idle for nothing
-            return False
-        if now < self._next_look:
-            return False
-        left = self._use(lambda conn: sql.enqueuers(conn, self.queue, self._waiting), now)
-        if left is None:
-            return False
-        ended = len(left) < len(self._waiting)
-        self._waiting = left
-        self._look_gap = self.poll if ended else min(self._look_gap * 2, LOOK_MAX)
-        self._next_look = now + self._look_gap
-        return ended
+            if self._slot is not None:
+                return True
+        if self._waiting and now >= self._next_look:
+            left = self._use(lambda conn: sql.enqueuers(conn, self.queue, self._waiting),
+                             now)
+            if left is not None:
+                ended = len(left) < len(self._waiting)
+                self._waiting = left
+                self._owed = self._owed or ended
+                self._look_gap = self.poll if ended else min(self._look_gap * 2, LOOK_MAX)
+                self._next_look = now + self._look_gap
+        elif (not self._waiting and self._conn is not None
+              and now - self._last_used >= KEEP_FOR):
+            self.close()  # no session kept idle for nothing
+        return self._owed
 
     def timeout(self, now: float) -> float | None:
         """The longest the loop may wait before `due` may say yes; None: no limit."""
+        if self._owed:
+            return 0.0
         if self._slot is not None:
             return self.poll
         if self._waiting:
@@ -134,18 +151,26 @@ class Watch:
 
     # -- inside ------------------------------------------------------------------------
 
+    def _behind(self, now: float) -> bool:
+        """No claim took all that was due for a whole window: a backlog."""
+        return now - self._last_short >= self.window
+
     def _start(self, now: float) -> None:
         slot = self._use(lambda conn: sql.take_slot(conn, self.queue), now)
-        if slot is not None:
-            self._slot = slot
-            self.watches += 1
-            log.debug("queue %s: keeping watch (slot %d)", self.queue, slot)
+        if slot is None:
+            self._no_slot_until = now + NO_SLOT_BACKOFF
+            return
+        self._slot = slot
+        self.watches += 1
+        log.debug("queue %s: keeping watch (slot %d)", self.queue, slot)
 
     def _stop(self, now: float) -> None:
         slot = self._slot
         assert slot is not None
         # The slot first, the list after: a transaction that looked at the slot while it
-        # was held took its lock before, so it is on the list (or committed).
+        # was held took its lock before, so it is on the list or committed; and one
+        # more claim (owed) sees what committed before the list was read.
+        self._owed = True
         if self._use(lambda conn: sql.give_slot(conn, self.queue, slot), now) is None:
             return
         self._slot = None
@@ -157,22 +182,36 @@ class Watch:
                   len(self._waiting))
 
     def _use(self, step: Callable[[BoundedConnection], T], now: float) -> T | None:
-        """Run `step` on the watch connection; on any failure drop the watch (None)."""
-        try:
-            if self._conn is None or self._conn.closed:
-                self._conn = self._open()
-            result = step(self._conn)
-        except (psycopg.Error, OSError) as exc:
-            log.warning("queue %s: the watch connection failed (%s); the doorbell rings "
-                        "again and polling finds what it silenced", self.queue, exc)
-            self.close()
-            return None
-        self._last_used = now
-        return result
+        """Run `step` on the watch connection; on any failure drop the watch (None).
+
+        A connection kept idle (no slot, no list) that the server ended meanwhile
+        (`idle_session_timeout` under a long `--poll`) is replaced once, quietly."""
+        idle = self._slot is None and not self._waiting
+        for last in (not idle, True):
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = self._open()
+                result = step(self._conn)
+            except (psycopg.Error, OSError) as exc:
+                self.close()
+                if not last:
+                    continue
+                log.warning("queue %s: the watch connection failed (%s); the doorbell "
+                            "rings again and polling finds what it silenced",
+                            self.queue, exc)
+                self._owed = True  # one look at least, at once
+                return None
+            self._last_used = now
+            return result
+        return None  # not reached
 
     def _open(self) -> BoundedConnection:
         conn = self._connect()
-        if conn.info.server_version >= 140000:
-            # A worker whose host vanished keeps no slot (and no silence) for long.
-            conn.execute(f"SET idle_session_timeout = {IDLE_SESSION_TIMEOUT_MS}")
+        try:
+            if conn.info.server_version >= 140000:
+                # A worker whose host vanished keeps no slot (and no silence) for long.
+                conn.execute(f"SET idle_session_timeout = {IDLE_SESSION_TIMEOUT_MS}")
+        except BaseException:
+            conn.close()
+            raise
         return conn

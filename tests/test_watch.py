@@ -21,7 +21,7 @@ from outbox import Effect, enqueue
 from outbox._config import NOTIFY_CHANNEL
 from outbox._connections import connect
 from outbox.sql import watch as watch_sql
-from tests.dispatch_support import add_effects, keys, wait_until
+from tests.dispatch_support import add_effects, wait_until
 
 
 def _watch(engine: Engine, queue: str = "default") -> Watch:
@@ -47,7 +47,7 @@ def _enqueue_one(engine: Engine, key: str, queue: str = "default") -> None:
 
 
 def _start(watch: Watch) -> None:
-    watch.after_claim(watch.start_rows, time.monotonic())
+    watch.after_claim(watch.start_rows, True, time.monotonic())
     assert watch.watching
 
 
@@ -62,7 +62,7 @@ def test_a_worker_keeping_watch_silences_the_doorbell_of_its_queue_only(
         assert _rung(listener) == []  # fails if outbox.ring notifies anyway
         _enqueue_one(engine, "other", queue="other")
         assert _rung(listener) == ["other"]
-        watch.after_claim(0, time.monotonic() + 1)  # no rows for a whole window
+        watch.after_claim(0, True, time.monotonic() + 1)  # no rows for a whole window
         assert not watch.watching
         _enqueue_one(engine, "after")
         assert _rung(listener) == ["default"]
@@ -78,11 +78,14 @@ def test_slow_claims_never_keep_watch(engine: Engine,
     try:
         t = time.monotonic()
         for i in range(200):  # 800 rows/s for 0.25 s, in claims of 1 to 3 rows
-            watch.after_claim(1 + i % 3, t + i * 0.0025)
-            watch.after_claim(0, t + i * 0.0025 + 0.001)
+            watch.after_claim(1 + i % 3, True, t + i * 0.0025)
+            watch.after_claim(0, True, t + i * 0.0025 + 0.001)
         assert not watch.watching and watch.watches == 0
-        for i in range(30):  # 2 000 rows/s
-            watch.after_claim(2, t + 1 + i * 0.001)
+        for i in range(30):  # 2 000 rows/s, each claim full: a backlog, others needed
+            watch.after_claim(2, False, t + 1 + i * 0.001)
+        assert not watch.watching
+        for i in range(30):  # 2 000 rows/s, taking all that is due
+            watch.after_claim(2, True, t + 2 + i * 0.001)
         assert watch.watching and watch.watches == 1
     finally:
         watch.close()
@@ -93,13 +96,13 @@ def test_four_workers_keep_watch_at_most_and_the_bell_waits_for_all_of_them(
     watches = [_watch(engine) for _ in range(5)]
     try:
         for w in watches:
-            w.after_claim(w.start_rows, time.monotonic())
+            w.after_claim(w.start_rows, True, time.monotonic())
         assert [w.watching for w in watches] == [True] * 4 + [False]
         for w in watches[:3]:
-            w.after_claim(0, time.monotonic() + 1)
+            w.after_claim(0, True, time.monotonic() + 1)
         _enqueue_one(engine, "one-left")
         assert _rung(listener) == []  # the fourth still watches
-        watches[3].after_claim(0, time.monotonic() + 1)
+        watches[3].after_claim(0, True, time.monotonic() + 1)
         _enqueue_one(engine, "none-left")
         assert _rung(listener) == ["default"]
     finally:
@@ -122,8 +125,9 @@ def test_a_watchers_session_that_ends_gives_the_bell_back(
                    message="the slot released")
         _enqueue_one(engine, "after-kill")
         assert _rung(listener) == ["default"]
-        # The watch finds out at its next use and drops what it had, without raising.
-        assert not watch.due(time.monotonic() + 10) and not watch.watching
+        # The watch finds out at its next use, drops what it had without raising, and
+        # owes one claim (what it silenced is for polling from then on).
+        assert watch.due(time.monotonic() + 10) and not watch.watching
     finally:
         watch.close()
 
@@ -143,70 +147,168 @@ def test_the_enqueuers_listed_at_the_watchs_end_are_the_open_ones(engine: Engine
         with engine.connect() as open_tx:
             open_tx.begin()
             enqueue(open_tx, "noop", {"k": 1}, key="open")
-            watch.after_claim(0, time.monotonic() + 1)
+            watch.after_claim(0, True, time.monotonic() + 1)
             assert watch.waiting == 1
+            assert watch.due(time.monotonic() + 1)  # one claim owed at the watch's end
+            watch.after_claim(0, True, time.monotonic() + 1)
             assert not watch.due(time.monotonic() + 1)  # still open: nothing to claim
             open_tx.commit()
         assert watch.due(time.monotonic() + 2)  # it ended: claim now
         assert watch.waiting == 0
+        assert watch.due(time.monotonic() + 2)  # owed until a claim has run
+        watch.after_claim(1, True, time.monotonic() + 2)
+        assert not watch.due(time.monotonic() + 2)
     finally:
         watch.close()
 
 
-def test_a_row_whose_bell_was_skipped_is_claimed_when_its_transaction_commits(
+def test_a_row_committed_before_the_list_is_read_is_claimed_once_more(
+        engine: Engine) -> None:
+    """A transaction that skipped the bell and committed after the watcher's last
+    claim but before its list is on no list: the watch's end owes one more claim
+    (found in review: without it, the row waited for the poll)."""
+    watch = _watch(engine)
+    try:
+        _start(watch)
+        with engine.connect() as t:
+            t.begin()
+            enqueue(t, "noop", {"k": 1}, key="late")
+            t.commit()  # after the last claim, before the list
+        watch.after_claim(0, True, time.monotonic() + 1)
+        assert not watch.watching and watch.waiting == 0
+        assert watch.timeout(time.monotonic()) == 0.0
+        assert watch.due(time.monotonic() + 1)
+    finally:
+        watch.close()
+
+
+def test_a_watcher_with_no_free_slot_gives_the_bell_back(
         engine: Engine, listener: psycopg.Connection[Any]) -> None:
-    """End to end: a worker polling only every 60 s keeps watch through a backlog; a
-    transaction enqueues while it watches (no NOTIFY) and commits after the watch
-    ended. The worker claims that row within a second, from the list it took at the
-    watch's end: without the list, the row waited for the 60 s poll."""
-    delivered: Counter[str] = Counter()
+    """Saturated (no claim took all that was due for a window, or no claim at all),
+    a watcher stops: the other workers of the queue need their bell."""
+    watch = _watch(engine)
+    try:
+        _start(watch)
+        _enqueue_one(engine, "silenced")
+        assert _rung(listener) == []
+        assert watch.due(time.monotonic() + watch.window)  # owed: the watch ended
+        assert not watch.watching
+        _enqueue_one(engine, "rung")
+        assert _rung(listener) == ["default"]
+    finally:
+        watch.close()
+
+
+class _Feed:
+    """Enqueues `per_tx` effects per transaction, back to back, until stopped: a
+    stream one worker keeps up with, so its claims take all that is due."""
+
+    def __init__(self, engine: Engine, per_tx: int = 10) -> None:
+        self.engine, self.per_tx, self.keys = engine, per_tx, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            batch = [f"feed-{n + i}" for i in range(self.per_tx)]
+            add_effects(self.engine, batch)
+            self.keys.extend(batch)
+            n += self.per_tx
+            time.sleep(0.002)
+
+    def __enter__(self) -> _Feed:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _worker(engine: Engine, delivered: Counter[str]) -> tuple[Dispatcher, Any]:
     lock = threading.Lock()
 
     def handler(effect: Any) -> dict[str, bool]:
-        time.sleep(0.0005)
         with lock:
             delivered[effect.key] += 1
         return {"ok": True}
 
     registry = Registry()
     registry.register("noop", handler)
-    backlog = keys("backlog", 3000)
-    add_effects(engine, backlog)
-    _rung(listener, 0.1)
-    dispatcher = Dispatcher(engine, registry, concurrency=4, max_batch=4)
+    dispatcher = Dispatcher(engine, registry, concurrency=32, max_batch=32)
     stop = threading.Event()
     worker = threading.Thread(target=run_worker, args=(dispatcher,), kwargs={
         "poll_interval": 60.0, "grace": 5, "stop": stop, "install_signals": False})
     worker.start()
-    try:
-        wait_until(lambda: dispatcher.watch is not None and dispatcher.watch.watching, 10,
-                   interval=0.002, message="the worker keeping watch")
-        watch = dispatcher.watch
-        assert watch is not None
-        with engine.connect() as late:
-            late.begin()
-            enqueue(late, "noop", {"k": "late"}, key="late")
-            assert watch.watching  # the enqueue looked at a held slot
-            wait_until(lambda: not watch.watching, 20, interval=0.005,
-                       message="the watch's end")
-            assert watch.waiting >= 1  # the open transaction is listed
-            time.sleep(0.2)
-            late.commit()
-        committed = time.monotonic()
-        wait_until(lambda: delivered["late"] == 1, 5, interval=0.01,
-                   message="the late row delivered")
-        took = time.monotonic() - committed
-        assert _rung(listener, 0.2) == []  # not rung: the list found it
-        wait_until(lambda: sum(delivered.values()) == len(backlog) + 1, 10)
-        assert set(delivered.values()) == {1}  # each effect applied exactly once
-        print(f"\nlate row claimed {took * 1000:.0f} ms after its commit; "
-              f"{watch.watches} watch(es) kept")
-        assert took < 2.0
-    finally:
+
+    def finish() -> None:
         stop.set()
         dispatcher.wake.set()
         worker.join(15)
-    assert not worker.is_alive()
+        assert not worker.is_alive()
+    return dispatcher, finish
+
+
+@pytest.mark.parametrize("commit", ["after_the_list", "before_the_list"])
+def test_a_row_whose_bell_was_skipped_is_claimed_when_its_transaction_commits(
+        engine: Engine, listener: psycopg.Connection[Any], commit: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end, a worker polling only every 60 s keeps watch over a stream of
+    enqueues; a transaction enqueues while it watches (no NOTIFY) and commits either
+    after the watch ended and listed it, or (held inside `give_slot`, the review's
+    case) after the worker's last claim but before its list. Either way the worker
+    claims the row within a second of the commit: without the list, or without the
+    claim owed at the watch's end, it waited for the 60 s poll."""
+    in_give = threading.Event()
+    committed = threading.Event()
+    real_give = watch_sql.give_slot
+
+    def give(conn: Any, queue: str, index: int) -> bool:
+        if commit == "before_the_list" and not in_give.is_set():
+            in_give.set()
+            committed.wait(10)
+        return real_give(conn, queue, index)
+
+    monkeypatch.setattr(watch_sql, "give_slot", give)
+    delivered: Counter[str] = Counter()
+    dispatcher, finish = _worker(engine, delivered)
+    try:
+        with _Feed(engine) as feed:
+            wait_until(lambda: dispatcher.watch is not None and dispatcher.watch.watching,
+                       20, interval=0.002, message="the worker keeping watch")
+            watch = dispatcher.watch
+            assert watch is not None
+            late = engine.connect()
+            late.begin()
+            enqueue(late, "noop", {"k": "late"}, key="late")
+            assert watch.watching  # the enqueue looked at a held slot: no NOTIFY
+        _rung(listener, 0.05)  # the feed's bells, rung before the watch began
+        try:
+            if commit == "before_the_list":
+                assert in_give.wait(10)
+                late.commit()
+                committed.set()
+            else:
+                wait_until(lambda: not watch.watching and watch.waiting >= 1, 20,
+                           interval=0.005, message="the watch's end, the open tx listed")
+                time.sleep(0.2)
+                late.commit()
+        finally:
+            late.close()
+        t0 = time.monotonic()
+        wait_until(lambda: delivered["late"] == 1, 5, interval=0.01,
+                   message="the late row delivered")
+        took = time.monotonic() - t0
+        assert _rung(listener, 0.2) == []  # not rung: the watch found it
+        everything = [*feed.keys, "late"]
+        wait_until(lambda: all(delivered[k] for k in everything), 20)
+        assert set(delivered.values()) == {1}  # each effect applied exactly once
+        print(f"\n{commit}: late row claimed {took * 1000:.0f} ms after its commit; "
+              f"{watch.watches} watch(es) kept; {len(feed.keys)} fed")
+        assert took < 2.0
+    finally:
+        finish()
 
 
 def test_enqueue_with_an_effect_key_in_the_watched_queue_and_a_guard_still_rings(

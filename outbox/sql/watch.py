@@ -33,7 +33,8 @@ _ENQUEUERS = _sql(
        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
        AND classid = CAST({ENQUEUING} AS oid)
        AND objid = CAST((CAST(hashtext(:queue) AS int8) + 4294967296) % 4294967296 AS oid)
-       AND (CAST(:among AS text[]) IS NULL OR virtualtransaction = ANY(:among))
+       AND (CAST(:among AS text[]) IS NULL OR virtualtransaction = ANY(:among)
+            OR virtualtransaction LIKE '-1/%')
     """
 )
 
@@ -57,6 +58,8 @@ def give_slot(conn: Any, queue: str, index: int) -> bool:
 def enqueuers(conn: Any, queue: str, among: Sequence[str] | None = None) -> list[str]:
     """The transactions (virtual ids) now enqueueing for `queue`, or those of `among`
     still at it: a transaction in it may have skipped the bell for a row not committed
-    yet. Reads pg_locks, which takes every lock-manager partition briefly."""
+    yet. A prepared transaction (two-phase: its locks pass to a virtual id '-1/xid')
+    counts as still at it, listed or not. Reads pg_locks, which takes every
+    lock-manager partition briefly."""
     params = {"queue": queue, "among": None if among is None else list(among)}
     return list(sync_db(conn).execute(_ENQUEUERS, params).scalar() or [])
