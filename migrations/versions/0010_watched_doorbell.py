@@ -19,11 +19,18 @@ instead of waiting to be rung. `ring`:
    watcher, and the NOTIFY is skipped; otherwise it NOTIFYs, as before.
 
 A watcher that stops watching first gives its slot back, then lists the transactions
-holding the shared lock (pg_locks) and claims again as they end: every transaction
-that skipped the bell took that lock before it looked at the slot, so it is on the
-list or already committed. Locks are not MVCC: this holds at any isolation level. A
+holding the shared lock (pg_locks), claims once more at once and again as listed ones
+end: every transaction that skipped the bell took that lock before it looked at the
+slot, so it is on the list or committed before the list was read (the claim made at
+once sees those). Locks are not MVCC: this holds at any isolation level. A
 watcher whose session ends (a crash) gives its slot back with it; rows whose bell it
 silenced are then found by the other workers' polling, as after a lost NOTIFY.
+
+Deploy order: migrate before deploying code that calls `outbox.ring` (every enqueue
+fails without the function). A role that enqueues needs EXECUTE on it (PUBLIC has it
+by default). Enqueueing in a transaction then PREPAREd (two-phase) still fails when
+the bell rings (PostgreSQL refuses to PREPARE after a NOTIFY), as before; a watcher
+waits for prepared transactions holding the lock whenever it lists.
 
 A hashtext collision between two queues makes one's watcher silence the other's bell:
 that queue's rows wait for its workers' polling (as after a lost NOTIFY), never lost.
