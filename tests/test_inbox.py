@@ -9,6 +9,8 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -556,7 +558,9 @@ def test_f37_unprocessed_rows_are_kept_and_a_purged_event_is_processed_again(
         assert ingest(conn, "s", "done", {"a": 1}).outcome is INSERTED
 
 
-def test_f37_purge_skips_rows_an_open_ingestion_holds(engine: Engine) -> None:
+@contextmanager
+def _ten_old_events_one_held(engine: Engine) -> Iterator[Connection]:
+    """Ten events received 10 days ago; yields a transaction holding one's row lock."""
     old = datetime.now(UTC) - timedelta(days=10)
     with engine.begin() as conn:
         ingest_many(conn, [IncomingEvent("s", f"e{i}", {"i": i}) for i in range(10)],
@@ -564,6 +568,11 @@ def test_f37_purge_skips_rows_an_open_ingestion_holds(engine: Engine) -> None:
     with engine.connect() as holder:
         holder.begin()
         assert ingest(holder, "s", "e3", {"i": "changed"}).outcome is CONFLICT  # row lock
+        yield holder
+
+
+def test_f37_purge_skips_rows_an_open_ingestion_holds(engine: Engine) -> None:
+    with _ten_old_events_one_held(engine) as holder:
         t0 = time.perf_counter()
         assert purge_inbox(engine, timedelta(days=7), batch=4) == 9
         assert time.perf_counter() - t0 < 2
@@ -577,13 +586,7 @@ def test_f37_purge_deletes_a_row_it_skipped_once_its_ingestion_commits(engine: E
     The purge's only batch skips the held row; the holder commits 0.15 s later and the
     same purge call deletes it (with one look only, the row was left: CI saw it).
     """
-    old = datetime.now(UTC) - timedelta(days=10)
-    with engine.begin() as conn:
-        ingest_many(conn, [IncomingEvent("s", f"e{i}", {"i": i}) for i in range(10)],
-                    clock=lambda: old)
-    with engine.connect() as holder:
-        holder.begin()
-        assert ingest(holder, "s", "e3", {"i": "changed"}).outcome is CONFLICT  # row lock
+    with _ten_old_events_one_held(engine) as holder:
         release = threading.Timer(0.15, holder.commit)
         release.start()
         try:
