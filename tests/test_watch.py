@@ -4,10 +4,12 @@ was skipped still claimed at once, the bell back when the watcher's session ends
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -15,13 +17,15 @@ import pytest
 from sqlalchemy import Engine, text
 
 from dispatcher import Dispatcher, Registry
+from dispatcher.examples.payments.psp import ReceiverProcess
 from dispatcher.watch import Watch
 from dispatcher.worker import _psycopg_dsn, run_worker
 from outbox import Effect, enqueue
 from outbox._config import NOTIFY_CHANNEL
 from outbox._connections import connect
 from outbox.sql import watch as watch_sql
-from tests.dispatch_support import add_effects, wait_until
+from tests.dispatch_support import add_effects, effect_row, wait_until
+from tests.process_support import Procs, process_group, wait_all_final, wait_connected
 
 
 def _watch(engine: Engine, queue: str = "default") -> Watch:
@@ -325,3 +329,56 @@ def test_enqueue_with_an_effect_key_in_the_watched_queue_and_a_guard_still_rings
 
     guard.run(engine, "watch-test", "k1", "fp", work)
     assert _rung(listener) == ["default"]
+
+
+# -- a watching worker SIGKILLed ---------------------------------------------------------
+
+
+@pytest.fixture
+def procs(tmp_path: Path, psp_process: ReceiverProcess, db_url: str) -> Iterator[Procs]:
+    yield from process_group(tmp_path, psp_process.url)
+
+
+def _slots_held(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+            " AND granted AND mode = 'ExclusiveLock'"
+            " AND classid::int8 = ANY(CAST(:slots AS int8[]))"),
+            {"slots": list(watch_sql.SLOTS)}).scalar_one())
+
+
+@pytest.mark.slow
+def test_a_watching_worker_sigkilled_loses_nothing(
+        engine: Engine, procs: Procs, psp_process: ReceiverProcess) -> None:
+    """A real `outbox worker` keeps watch over a stream; a transaction enqueues 5
+    charges while it watches (no NOTIFY) and commits after the worker was SIGKILLed,
+    its promise gone with it. A second worker that never watches and was never rung
+    for those rows (OUTBOX_WATCH=0, --poll 0.5) finds them by polling: each charge
+    applied once at the receiver, every effect delivered."""
+    procs.worker("watch-a", concurrency=32, lease=2.0, poll=0.5)
+    procs.worker("watch-b", concurrency=8, lease=2.0, poll=0.5, env={"OUTBOX_WATCH": "0"})
+    wait_connected(engine, ["watch-a", "watch-b"])
+    late = [f"late-{i}" for i in range(5)]
+    with _Feed(engine, per_tx=20) as feed:
+        wait_until(lambda: _slots_held(engine) == 1, 30, interval=0.01,
+                   message="worker A keeping watch")
+        holder = engine.connect()
+        holder.begin()
+        for i, key in enumerate(late):
+            enqueue(holder, "psp.charge", {"amount": i, "currency": "EUR"}, key=key)
+        procs.started[0].send(signal.SIGKILL)
+        assert procs.started[0].wait(10) == -signal.SIGKILL
+    wait_until(lambda: _slots_held(engine) == 0, 10, interval=0.02,
+               message="the killed worker's slot released")
+    holder.commit()
+    holder.close()
+    committed = time.monotonic()
+    wait_until(lambda: all(effect_row(engine, k).status == "delivered" for k in late), 15,
+               interval=0.05, message="the late charges delivered by worker B")
+    took = time.monotonic() - committed
+    wait_all_final(engine, len(feed.keys) + len(late), timeout=60)
+    psp_process.assert_exactly_once(late)
+    assert procs.started[1].alive()
+    print(f"\nlate charges delivered {took:.2f} s after their commit (B polls every "
+          f"0.5 s); {len(feed.keys)} fed")
