@@ -397,6 +397,8 @@ class Dispatcher:
                         last_empty = time.monotonic()
                     if watch is not None and self.producer.claims != claims:
                         watch.after_claim(claimed, self.producer.short, time.monotonic())
+                    elif watch is not None and got is None:
+                        watch.claim_failed()
                 if draining:
                     # Under the lock `_finished` hands an outcome over with: a delivery
                     # that ended after `unwritten` was read is not written yet either.

@@ -107,6 +107,11 @@ class Watch:
         elif self._rows < self.stop_rows or self._behind(now):
             self._stop(now)
 
+    def claim_failed(self) -> None:
+        """A claim statement failed (the database unreachable): nothing is owed any
+        more, or the loop would retry at once; polling finds the rows once it is back."""
+        self._owed = False
+
     def due(self, now: float) -> bool:
         """Whether the loop should claim now although nobody rang: while watching (its
         wait is `timeout()`), once after the watch ended, and when some of the
@@ -135,10 +140,8 @@ class Watch:
 
     def timeout(self, now: float) -> float | None:
         """The longest the loop may wait before `due` may say yes; None: no limit."""
-        if self._owed:
-            return 0.0
-        if self._slot is not None:
-            return self.poll
+        if self._owed or self._slot is not None:
+            return self.poll  # an owed claim the loop could not make: look again soon
         if self._waiting:
             return max(0.0, self._next_look - now)
         return None

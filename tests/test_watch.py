@@ -180,8 +180,10 @@ def test_a_row_committed_before_the_list_is_read_is_claimed_once_more(
             t.commit()  # after the last claim, before the list
         watch.after_claim(0, True, time.monotonic() + 1)
         assert not watch.watching and watch.waiting == 0
-        assert watch.timeout(time.monotonic()) == 0.0
+        assert watch.timeout(time.monotonic()) == watch.poll
         assert watch.due(time.monotonic() + 1)
+        watch.claim_failed()  # the database unreachable: no retry at once, polling finds it
+        assert not watch.due(time.monotonic() + 1)
     finally:
         watch.close()
 
