@@ -132,6 +132,7 @@ class Dispatcher:
                                    labels=metric_labels, keep_for=lease)
         self.completer.on_written = self.wake.set
         self.completer.on_unblocked = self.producer.rescan
+        self._denied = False  # the fleet's budget granted no slot at the last fill
         # Set by `run_worker` (a worker a NOTIFY wakes): while busy it keeps watch over
         # the queue and enqueuers skip the NOTIFY (dispatcher/watch.py).
         self.watch: Watch | None = None
@@ -269,6 +270,7 @@ class Dispatcher:
         if self.slots is None:
             return self._start(free)
         granted = self.slots.acquire(1 if self._claim_failed else free)
+        self._denied = granted <= 0  # the budget rings this member when it frees some
         if granted <= 0:
             return 0
         got = 0
@@ -417,8 +419,10 @@ class Dispatcher:
                         timeout = min(poll_interval or 0.25, 0.25)
                     else:
                         timeout = poll_interval or 0.25
-                    cap = None if watch is None or self._free() <= 0 else \
-                        watch.timeout(time.monotonic())  # a freed slot rings anyway
+                    # A freed slot rings anyway, and so does the fleet's budget when
+                    # it had none to grant.
+                    cap = None if watch is None or self._free() <= 0 or self._denied \
+                        else watch.timeout(time.monotonic())
                     if cap is not None:
                         timeout = min(timeout, cap)
                     self.wake.wait(min(timeout, max(0.0, finish_until - time.monotonic())))

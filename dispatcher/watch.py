@@ -44,7 +44,7 @@ STOP_ROWS = 25  # fewer rows than this within WINDOW stop it (500/s)
 POLL = 0.002  # seconds between claims while it keeps watch
 LOOK_MAX = 0.05  # the longest gap between two looks at the listed transactions
 PROBE_EVERY = 2.0  # a watch connection idle this long while watching is probed
-NO_SLOT_BACKOFF = 1.0  # seconds before a worker that found no free slot asks again
+NO_SLOT_BACKOFF = 1.0  # seconds before a worker that found no slot, or fell behind, asks again
 KEEP_FOR = 30.0  # a watch connection unused this long is closed (reopening costs ms)
 IDLE_SESSION_TIMEOUT_MS = 60_000  # the server ends a watch session gone silent
 
@@ -104,8 +104,10 @@ class Watch:
             # and they are woken by the bell.
             if self._rows >= self.start_rows and short and now >= self._no_slot_until:
                 self._start(now)
-        elif self._rows < self.stop_rows or self._behind(now):
+        elif self._rows < self.stop_rows:
             self._stop(now)
+        elif self._behind(now):
+            self._stop_behind(now)
 
     def claim_failed(self) -> None:
         """A claim statement failed (the database unreachable): nothing is owed any
@@ -119,7 +121,7 @@ class Watch:
         (`after_claim`): a claim the loop could not make (no free slot) stays owed."""
         if self._slot is not None:
             if self._behind(now):  # no free slot for a window: let the others be rung
-                self._stop(now)
+                self._stop_behind(now)
             elif now - self._last_used >= PROBE_EVERY:
                 self._use(lambda conn: conn.probe(), now)
             if self._slot is not None:
@@ -166,6 +168,14 @@ class Watch:
         self._slot = slot
         self.watches += 1
         log.debug("queue %s: keeping watch (slot %d)", self.queue, slot)
+
+    def _stop_behind(self, now: float) -> None:
+        """Stop, fallen behind; no new watch for NO_SLOT_BACKOFF seconds, or a worker at
+        its capacity would start and stop several times a second."""
+        self._stop(now)
+        self._recent.clear()
+        self._rows = 0
+        self._no_slot_until = now + NO_SLOT_BACKOFF
 
     def _stop(self, now: float) -> None:
         slot = self._slot

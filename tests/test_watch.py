@@ -201,6 +201,10 @@ def test_a_watcher_with_no_free_slot_gives_the_bell_back(
         assert not watch.watching
         _enqueue_one(engine, "rung")
         assert _rung(listener) == ["default"]
+        # Fallen behind, it does not start again at once (a worker at its capacity
+        # would start and stop several times a second).
+        watch.after_claim(watch.start_rows, True, time.monotonic() + watch.window + 0.01)
+        assert not watch.watching
     finally:
         watch.close()
 
