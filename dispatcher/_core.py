@@ -379,11 +379,14 @@ class Dispatcher:
                 # Outcomes not yet written hold their ordering keys' successors back: an
                 # empty claim then does not mean nothing is due.
                 unwritten = self.completer.backlog
-                watched = watch is not None and watch.due(now)
-                if watched and watch is not None and not watch.watching:
-                    # Some transactions listed when the watch ended are over: their rows
-                    # may sit behind the watermark (ids taken before they committed).
-                    self.producer.rescan()
+                watched = False
+                if watch is not None:
+                    watched = watch.due(now)
+                    if watched and not watch.watching:
+                        # A claim owed at the watch's end: the rows of the transactions
+                        # it listed may sit behind the watermark (ids taken before they
+                        # committed).
+                        self.producer.rescan()
                 if not out_of_time and not claim_failed and self._want_claim(now) and (
                         draining or rung or watched or last_empty is None
                         or now - last_empty >= (poll_interval or 0.0)):

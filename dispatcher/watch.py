@@ -44,7 +44,7 @@ STOP_ROWS = 25  # fewer rows than this within WINDOW stop it (500/s)
 POLL = 0.002  # seconds between claims while it keeps watch
 LOOK_MAX = 0.05  # the longest gap between two looks at the listed transactions
 PROBE_EVERY = 2.0  # a watch connection idle this long while watching is probed
-NO_SLOT_BACKOFF = 1.0  # seconds before a worker that found no slot, or fell behind, asks again
+NO_SLOT_BACKOFF = 1.0  # seconds before a worker with no slot, or behind, asks again
 KEEP_FOR = 30.0  # a watch connection unused this long is closed (reopening costs ms)
 IDLE_SESSION_TIMEOUT_MS = 60_000  # the server ends a watch session gone silent
 
@@ -200,23 +200,31 @@ class Watch:
         A connection kept idle (no slot, no list) that the server ended meanwhile
         (`idle_session_timeout` under a long `--poll`) is replaced once, quietly."""
         idle = self._slot is None and not self._waiting
-        for last in (not idle, True):
-            try:
-                if self._conn is None or self._conn.closed:
-                    self._conn = self._open()
-                result = step(self._conn)
-            except (psycopg.Error, OSError) as exc:
-                self.close()
-                if not last:
-                    continue
-                log.warning("queue %s: the watch connection failed (%s); the doorbell "
-                            "rings again and polling finds what it silenced",
-                            self.queue, exc)
-                self._owed = True  # one look at least, at once
+        try:
+            result = self._run(step)
+        except (psycopg.Error, OSError) as exc:
+            self.close()
+            if not idle:
+                self._failed(exc)
                 return None
-            self._last_used = now
-            return result
-        return None  # not reached
+            try:
+                result = self._run(step)
+            except (psycopg.Error, OSError) as again:
+                self.close()
+                self._failed(again)
+                return None
+        self._last_used = now
+        return result
+
+    def _run(self, step: Callable[[BoundedConnection], T]) -> T:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._open()
+        return step(self._conn)
+
+    def _failed(self, exc: BaseException) -> None:
+        log.warning("queue %s: the watch connection failed (%s); the doorbell rings again "
+                    "and polling finds what it silenced", self.queue, exc)
+        self._owed = True  # one look at least, at once
 
     def _open(self) -> BoundedConnection:
         conn = self._connect()

@@ -544,14 +544,15 @@ def _purge_batches(engine: Engine, step: Callable[[Connection], int],
     while True:
         with engine.begin() as conn:
             deleted = step(conn)
+            full = deleted >= batch
+            left = full or remain(conn)  # a held row is still visible: it was skipped
         total += deleted
-        if deleted >= batch:
+        if full:
             if pause > 0:
                 time.sleep(pause)
             continue
-        with engine.connect() as conn:
-            if not remain(conn):
-                return total
+        if not left:
+            return total
         now = time.monotonic()
         give_up = now + settle if give_up is None else give_up
         if now >= give_up:

@@ -7,9 +7,9 @@ bench/bench_doorbell.py): 8 300 enqueue transactions/s at 4 clients without a NO
 4 500 with one; 9 100 against 4 400 at 8.
 
 `outbox.ring(channel, queue)` replaces the enqueue's `pg_notify`. A worker busy on a
-queue keeps watch (dispatcher/watch.py): it holds one of `WATCH_SLOTS` (4) session
-advisory locks (0x6F757464 + slot, hashtext(queue)) and claims every few milliseconds
-instead of waiting to be rung. `ring`:
+queue keeps watch (dispatcher/watch.py): it holds one of 4 session advisory locks
+(0x6F757464 + slot, hashtext(queue): `outbox.sql.watch.SLOTS`) and claims every few
+milliseconds instead of waiting to be rung. `ring`:
 
 1. takes a shared transaction lock (0x6F757463, hashtext(queue)) that tells a watcher
    this transaction may have skipped the bell (held until the transaction ends; a

@@ -328,13 +328,15 @@ def mark_processed(conn: Connection, source: str, event_id: str,
 # snapshot cannot see, so a ctid match deleted nothing and ended the purge early (seen
 # under load). SKIP LOCKED leaves rows an ingesting transaction holds for a later
 # batch instead of waiting.
+# What a purge of processed events deletes; a skipped row still matches it (`_REMAIN`).
+_PROCESSED_OLD = f"""received_at < {_NOW} - make_interval(secs => :older_than)
+              AND processed_at IS NOT NULL"""
 _PURGE_PROCESSED = text(
     f"""
     DELETE FROM outbox.inbox
      WHERE (source, event_id) IN (
            SELECT source, event_id FROM outbox.inbox
-            WHERE received_at < {_NOW} - make_interval(secs => :older_than)
-              AND processed_at IS NOT NULL
+            WHERE {_PROCESSED_OLD}
             ORDER BY received_at
             LIMIT :batch
               FOR UPDATE SKIP LOCKED)
@@ -353,9 +355,7 @@ def purge_processed_events(conn: Connection, older_than_seconds: float, batch: i
 # held them (their committed version is still there).
 _PROCESSED_EVENTS_REMAIN = text(
     f"""
-    SELECT EXISTS (SELECT 1 FROM outbox.inbox
-                    WHERE received_at < {_NOW} - make_interval(secs => :older_than)
-                      AND processed_at IS NOT NULL)
+    SELECT EXISTS (SELECT 1 FROM outbox.inbox WHERE {_PROCESSED_OLD})
     """
 )
 
@@ -369,12 +369,13 @@ def processed_events_remain(conn: Connection, older_than_seconds: float,
 
 # Conflict copies are evidence, not state: nothing reads them back. Walking the primary
 # key (ids grow with time) finds the old rows first without an index on received_at.
+_CONFLICT_OLD = f"received_at < {_NOW} - make_interval(secs => :older_than)"
 _PURGE_CONFLICTS = text(
     f"""
     DELETE FROM outbox.inbox_conflicts
      WHERE id = ANY(ARRAY(
            SELECT id FROM outbox.inbox_conflicts
-            WHERE received_at < {_NOW} - make_interval(secs => :older_than)
+            WHERE {_CONFLICT_OLD}
             ORDER BY id
             LIMIT :batch
               FOR UPDATE SKIP LOCKED))
@@ -391,8 +392,7 @@ def purge_conflicts(conn: Connection, older_than_seconds: float, batch: int,
 
 _CONFLICTS_REMAIN = text(
     f"""
-    SELECT EXISTS (SELECT 1 FROM outbox.inbox_conflicts
-                    WHERE received_at < {_NOW} - make_interval(secs => :older_than))
+    SELECT EXISTS (SELECT 1 FROM outbox.inbox_conflicts WHERE {_CONFLICT_OLD})
     """
 )
 
