@@ -105,6 +105,7 @@ def status_snapshot(engine: Engine) -> dict[str, Any]:
     from outbox.sql import effects as fx
     from outbox.sql import health as hx
     from outbox.sql import keys as kx
+    from outbox.sql import watch as wx
 
     with engine.connect() as conn:
         counts = fx.count_effects(conn)
@@ -112,6 +113,7 @@ def status_snapshot(engine: Engine) -> dict[str, Any]:
         blocked = fx.blocked_ordering_keys(conn)
         key_counts = kx.count_keys().run(conn)  # each claim carries its TTL
         horizon = hx.xmin_horizon().run(conn)
+        watching = wx.watchers().run(conn)
     out: dict[str, Any] = {s: counts.get(s, 0) for s in STATUSES}
     out.update(health)
     out["idempotency_keys"] = key_counts
@@ -121,6 +123,9 @@ def status_snapshot(engine: Engine) -> dict[str, Any]:
     out["xmin_horizon"] = {k: {"holders": h.holders, "xid_age": h.xid_age,
                                "seconds": h.seconds} for k, h in horizon.items()}
     out["idle_in_transaction_session_timeout"] = _others_idle_timeout(engine)
+    # Workers keeping watch (dispatcher/watch.py): their queues' enqueues skip the NOTIFY.
+    out["watchers"] = [{"queue": w.label, "pid": w.pid, "slot": w.slot,
+                        "application_name": w.application_name} for w in watching]
     return out
 
 
@@ -236,11 +241,24 @@ def _print_status(snap: dict[str, Any]) -> None:
     print(f"xmin horizon      {'held by ' + '; '.join(held) if held else 'not held'}"
           f"   (others' idle_in_transaction_session_timeout: "
           f"{snap['idle_in_transaction_session_timeout']})")
+    print(f"watched queues    {_watched(snap['watchers'])}")
     if snap["blocked_ordering_keys"]:
         print("blocked ordering keys (head effect)")
         for b in snap["blocked_ordering_keys"]:
             print(f"  {b['ordering_key']}: #{b['head_id']} {b['status']} "
                   f"after {b['attempts']} attempts: {b['last_error'] or ''}")
+
+
+def _watched(watchers: list[dict[str, Any]]) -> str:
+    """The status line of the workers keeping watch, by queue."""
+    if not watchers:
+        return "none: every enqueue rings its queue's doorbell"
+    pids: dict[str, list[str]] = {}
+    for w in watchers:
+        pids.setdefault(w["queue"], []).append(str(w["pid"]))
+    kept = ", ".join(f"{queue} (pid{'s' if len(p) > 1 else ''} {', '.join(p)})"
+                     for queue, p in pids.items())
+    return f"{kept}: their enqueues skip the NOTIFY while a busy worker claims every 2 ms"
 
 
 def _redacted(text: str | None) -> str | None:

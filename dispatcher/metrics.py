@@ -52,6 +52,7 @@ from outbox.sql import effects as fx
 from outbox.sql import health as hx
 from outbox.sql import keys as kx
 from outbox.sql import locks as lx
+from outbox.sql import watch as wx
 
 log = logging.getLogger("outbox.metrics")
 
@@ -84,10 +85,12 @@ class QueueSnapshot:
     # Per table of ours: tuples and vacuum ages; per kind of holder: the xmin horizon.
     tables: dict[str, hx.TableHealth] = field(default_factory=dict)
     horizon: dict[str, hx.HorizonHolder] = field(default_factory=dict)
+    # Per queue (its name, or `#<hashtext>`): the workers keeping watch over it.
+    watchers: dict[str, int] = field(default_factory=dict)
 
 
 def read_snapshot(engine: Engine, *, taken_at: float | None = None) -> QueueSnapshot:
-    """Query the database once (six short statements on one connection)."""
+    """Query the database once (seven short statements on one connection)."""
     with engine.connect() as conn:
         counts = fx.count_effects(conn)
         health = fx.effect_health(conn)
@@ -95,6 +98,10 @@ def read_snapshot(engine: Engine, *, taken_at: float | None = None) -> QueueSnap
         waits = lx.lock_waits().run(conn)
         tables = hx.table_health().run(conn)
         horizon = hx.xmin_horizon().run(conn)
+        watching = wx.watchers().run(conn)
+    watchers: dict[str, int] = {}
+    for w in watching:
+        watchers[w.label] = watchers.get(w.label, 0) + 1
     return QueueSnapshot(
         effects={s: int(counts.get(s, 0)) for s in GAUGE_STATUSES},
         due=int(health["due"]),
@@ -105,6 +112,7 @@ def read_snapshot(engine: Engine, *, taken_at: float | None = None) -> QueueSnap
         lock_waits=waits,
         tables={t: h for t, h in tables.items() if t in LOCK_TABLES},
         horizon=horizon,
+        watchers=watchers,
     )
 
 
@@ -119,6 +127,9 @@ class _Source:
         self.lock = threading.Lock()
         self.cached: QueueSnapshot | None = None
         self.failed_at: float | None = None
+        # Queues seen watched: reported as 0 once their watch ends, not dropped (a
+        # series that vanishes reads as "no data", not as "the doorbell rings again").
+        self.watched: set[str] = set()
 
 
 class QueueGauges:
@@ -196,6 +207,11 @@ class QueueGauges:
             unit="s",
             description="How long the oldest transaction holding the xmin horizon has "
             "been open, by holder: session, prepared_xact (0 when none; slots: unknown)")
+        m.create_observable_gauge(
+            "outbox.queue.watchers", callbacks=[self._observe_watchers], unit="{worker}",
+            description="Workers keeping watch over the queue (claiming every 2 ms while "
+            "busy): while one does, the queue's enqueues skip the NOTIFY. By queue; 0 "
+            "once a watch seen by this process has ended")
 
     def add(self, engine: Engine, db: str) -> bool:
         """Read `engine`'s database too, labelled `db`; False if `db` is read already."""
@@ -236,6 +252,17 @@ class QueueGauges:
                 return None
             source.cached, source.failed_at = snap, None
             return snap
+
+    def _watched(self) -> list[tuple[QueueSnapshot, _Source]]:
+        """(snapshot, source) of every database read, each source's `watched` updated."""
+        out = []
+        for source in self._sources:
+            snap = self._snapshot(source)
+            if snap is not None:
+                with source.lock:
+                    source.watched.update(snap.watchers)
+                out.append((snap, source))
+        return out
 
     def _each(self) -> list[tuple[QueueSnapshot, dict[str, str]]]:
         """(snapshot, labels) of every database that could be read."""
@@ -290,6 +317,10 @@ class QueueGauges:
         return [Observation(h.since_vacuum, {"table": t, **db})
                 for snap, db in self._each() for t, h in sorted(snap.tables.items())
                 if h.since_vacuum is not None]
+
+    def _observe_watchers(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(snap.watchers.get(queue, 0), {"queue": queue, **source.labels})
+                for snap, source in self._watched() for queue in sorted(source.watched)]
 
     def _observe_horizon_age(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(h.xid_age if (h := snap.horizon.get(k)) else 0,

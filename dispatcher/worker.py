@@ -31,6 +31,7 @@ from outbox._config import NOTIFY_CHANNEL, call_timeout_of
 from outbox._connections import connect
 from outbox.retention import ScheduledRetention
 from outbox.sql import dispatch as sql
+from outbox.sql import watch as watch_sql
 
 log = logging.getLogger("outbox.worker")
 
@@ -117,7 +118,8 @@ def run_worker(dispatcher: Dispatcher, *, poll_interval: float = 1.0, grace: flo
         dsn, timeout = _psycopg_dsn(dispatcher.engine), call_timeout_of(dispatcher.engine)
         dispatcher.watch = Watch(dispatcher.queue, lambda: connect(
             dsn, call_timeout=timeout, autocommit=True,
-            application_name=f"{application_name}-watch"))
+            application_name=watch_sql.application_name(application_name,
+                                                         dispatcher.queue)))
     if listen:
         threading.Thread(
             target=listen_for_due, daemon=True,

@@ -196,7 +196,9 @@ def test_metric_names_derived_from_the_code() -> None:
                       "outbox.db.table.dead_tuples", "outbox.db.table.live_tuples",
                       "outbox.db.table.last_autovacuum_age",
                       "outbox.db.table.last_vacuum_age", "outbox.db.xmin_horizon.age",
-                      "outbox.db.xmin_horizon.duration"}
+                      "outbox.db.xmin_horizon.duration",
+                      # The watch (dispatcher/watch.py).
+                      "outbox.queue.watchers"}
     assert names["outbox_db_table_dead_tuples"] == "outbox.db.table.dead_tuples"
     assert names["outbox_db_xmin_horizon_duration_seconds"] == "outbox.db.xmin_horizon.duration"
 

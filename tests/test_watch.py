@@ -4,6 +4,7 @@ was skipped still claimed at once, the bell back when the watcher's session ends
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -30,8 +31,8 @@ from tests.process_support import Procs, process_group, wait_all_final, wait_con
 
 def _watch(engine: Engine, queue: str = "default") -> Watch:
     dsn = _psycopg_dsn(engine)
-    return Watch(queue, lambda: connect(dsn, autocommit=True,
-                                        application_name="tests-watch"))
+    return Watch(queue, lambda: connect(
+        dsn, autocommit=True, application_name=watch_sql.application_name("tests", queue)))
 
 
 @pytest.fixture
@@ -122,7 +123,7 @@ def test_a_watchers_session_that_ends_gives_the_bell_back(
         with engine.connect() as conn:
             killed = conn.execute(text(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                " WHERE application_name = 'tests-watch'")).scalar_one()
+                " WHERE application_name = 'tests-watch:default'")).scalar_one()
         assert killed == 1
         # The server releases a session's locks as it ends: wait for that, not for us.
         wait_until(lambda: not _slot_held(engine), 5, interval=0.02,
@@ -345,6 +346,11 @@ def procs(tmp_path: Path, psp_process: ReceiverProcess, db_url: str) -> Iterator
     yield from process_group(tmp_path, psp_process.url)
 
 
+def _watched_queues(engine: Engine) -> list[str | None]:
+    with engine.connect() as conn:
+        return [w.queue for w in watch_sql.watchers().run(conn)]
+
+
 def _slots_held(engine: Engine) -> int:
     with engine.connect() as conn:
         return int(conn.execute(text(
@@ -367,8 +373,8 @@ def test_a_watching_worker_sigkilled_loses_nothing(
     wait_connected(engine, ["watch-a", "watch-b"])
     late = [f"late-{i}" for i in range(5)]
     with _Feed(engine, per_tx=20) as feed:
-        wait_until(lambda: _slots_held(engine) == 1, 30, interval=0.01,
-                   message="worker A keeping watch")
+        wait_until(lambda: _watched_queues(engine) == ["default"], 30, interval=0.01,
+                   message="worker A keeping watch, its session named by its queue")
         holder = engine.connect()
         holder.begin()
         for i, key in enumerate(late):
@@ -388,3 +394,65 @@ def test_a_watching_worker_sigkilled_loses_nothing(
     assert procs.started[1].alive()
     print(f"\nlate charges delivered {took:.2f} s after their commit (B polls every "
           f"0.5 s); {len(feed.keys)} fed")
+
+
+def test_status_and_the_gauge_name_the_queues_kept_under_watch(
+        engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    """An operator sees which queues' enqueues skip the NOTIFY, and which sessions
+    silence them: `outbox status` (text and JSON) and the `outbox.queue.watchers` gauge,
+    which reads 0 once the watch ends rather than vanishing. A session whose name does
+    not tell its queue is shown by the lock's hashtext."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from dispatcher.cli import main
+    from dispatcher.metrics import QueueGauges
+    from tests.otel_helpers import metric_points
+
+    queue = "payments-watched"
+    reader, tick = InMemoryMetricReader(), [0.0]
+    QueueGauges(engine, ttl=1.0, clock=lambda: tick[0],
+                meter=MeterProvider(metric_readers=[reader]).get_meter("tests.watch"))
+
+    def gauge() -> dict[str, float]:
+        tick[0] += 10.0  # past the cache: a fresh read
+        return {str(p.attributes["queue"]): p.value
+                for p in metric_points(reader, "outbox.queue.watchers")}
+
+    def status() -> tuple[dict[str, Any], str]:
+        assert main(["status", "--json"]) == 0
+        snap = json.loads(capsys.readouterr().out)
+        assert main(["status"]) == 0
+        return snap, capsys.readouterr().out
+
+    snap, text_out = status()
+    assert snap["watchers"] == [] and gauge() == {}
+    assert "watched queues    none" in text_out
+    watch = _watch(engine, queue)
+    unnamed = connect(_psycopg_dsn(engine), autocommit=True, application_name="plain")
+    try:
+        _start(watch)
+        assert watch_sql.take_slot(unnamed, "other-queue") == 0
+        pid = unnamed.info.backend_pid
+        snap, text_out = status()
+        mine = [w for w in snap["watchers"] if w["queue"] == queue]
+        assert len(mine) == 1 and mine[0]["slot"] == 0
+        assert mine[0]["application_name"] == f"tests-watch:{queue}"
+        with engine.connect() as conn:
+            hashed = conn.execute(text(
+                "SELECT (CAST(hashtext('other-queue') AS int8) + 4294967296)"
+                " % 4294967296")).scalar_one()
+        assert {"queue": f"#{hashed}", "pid": pid, "slot": 0,
+                "application_name": "plain"} in snap["watchers"]
+        assert f"watched queues    {queue} (pid {mine[0]['pid']})" in text_out
+        assert gauge() == {queue: 1, f"#{hashed}": 1}
+        # An enqueue's own shared look at the slots is not a watcher.
+        with engine.begin() as conn:
+            enqueue(conn, "noop", {"k": 1}, key="watched-status-1", queue=queue)
+            assert len(watch_sql.watchers().run(conn)) == 2
+    finally:
+        watch.close()
+        unnamed.close()
+    wait_until(lambda: status()[0]["watchers"] == [], 5, interval=0.05,
+               message="no watcher left")
+    assert gauge() == {queue: 0, f"#{hashed}": 0}

@@ -10,10 +10,11 @@ hashtext(queue)) is held by the i-th watcher of the queue, for its session.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from outbox._driver import Query, Result, sync_db
 from outbox._driver import sql as _sql
-from outbox._driver import sync_db
 
 ENQUEUING = 0x6F757463
 SLOTS = tuple(range(0x6F757464, 0x6F757468))  # outbox.ring looks at these four
@@ -37,6 +38,64 @@ _ENQUEUERS = _sql(
             OR virtualtransaction LIKE '-1/%')
     """
 )
+
+
+# A watcher's session is named `<worker's application_name>-watch:<queue>`, so that an
+# operator (pg_stat_activity, `outbox status`, the `outbox.queue.watchers` gauge) can
+# tell which queue a slot silences. The name is checked against the lock's hashtext:
+# one cut at 63 bytes, or with non-ASCII replaced by the server, gives no queue.
+_WATCH_NAME = "-watch:"
+
+_WATCHERS = _sql(
+    f"""
+    SELECT l.pid, CAST(l.classid AS int8) - {SLOTS[0]} AS slot,
+           CAST(l.objid AS int8) AS queue_hash, a.application_name,
+           CASE WHEN (CAST(hashtext(substring(a.application_name
+                                              FROM '{_WATCH_NAME}(.*)$')) AS int8)
+                      + 4294967296) % 4294967296 = CAST(l.objid AS int8)
+                THEN substring(a.application_name FROM '{_WATCH_NAME}(.*)$') END AS queue
+      FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+     WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+       AND l.mode = 'ExclusiveLock'
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND l.classid BETWEEN CAST({SLOTS[0]} AS oid) AND CAST({SLOTS[-1]} AS oid)
+     ORDER BY queue, slot, l.pid
+    """,
+    tuples=True,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Watcher:
+    """A session holding a watch slot: while it does, `outbox.ring` skips the NOTIFY for
+    its queue. `queue` is None when the session's name does not tell it (see
+    `application_name`); `queue_hash` (hashtext, as an unsigned oid) always does."""
+
+    queue: str | None
+    slot: int
+    pid: int
+    application_name: str | None
+    queue_hash: int
+
+    @property
+    def label(self) -> str:
+        """The queue's name, or `#<hashtext>` when the session's name does not tell it."""
+        return self.queue if self.queue is not None else f"#{self.queue_hash}"
+
+
+def application_name(base: str, queue: str) -> str:
+    """The application_name of a watch session: names the queue it silences."""
+    return f"{base}{_WATCH_NAME}{queue}"
+
+
+def watchers() -> Query[list[Watcher]]:
+    """The sessions keeping watch in this database now (pg_locks, every queue)."""
+    return Query(_WATCHERS, {}, _watchers)
+
+
+def _watchers(result: Result) -> list[Watcher]:
+    return [Watcher(queue, int(slot), int(pid), name, int(queue_hash))
+            for pid, slot, queue_hash, name, queue in result]
 
 
 def take_slot(conn: Any, queue: str) -> int | None:
