@@ -27,6 +27,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -618,3 +619,96 @@ def test_f26_postgres_crash_and_restart_under_load(
           f"{outcomes} ({acked_twice} lease_lost rows are acks retried after a lost "
           f"answer); workers restarted 0 (pids {pids} alive); lag {lag}")
 
+
+
+@pytest.mark.slow
+def test_f26_postgres_crash_and_restart_under_api_load(
+        cluster: Cluster, workers: Procs, psp_process: ReceiverProcess) -> None:
+    """F26 with API clients during the outage: the example API (its own process) and two
+    `outbox worker`s on a cluster crashed with `pg_ctl stop -m immediate` and restarted
+    2 s later, while 6 clients post payments, each retrying its key as Retry-After says
+    until it gets a 201. No request is answered 500 or waits past the API's bound; every
+    key ends with one payment and a completed key, whatever the clients saw of their
+    commits; every effect is applied once at the receiver; no process is restarted."""
+    from dispatcher.examples.payments.schema import ensure_schema
+    from tests.test_network_faults import CALL_TIMEOUT, NET_ENV, ApiClients
+
+    db = make_engine(cluster.url, application_name="f26-api-test", pool_size=2)
+    ensure_schema(db)
+    env = {**NET_ENV, "DATABASE_URL": cluster.url,
+           "OUTBOX_HANDLERS": "dispatcher.examples.payments.handlers:registry"}
+    api_port = free_port()
+    api = workers.spawn("f26-api", [sys.executable, "-m", "dispatcher.cli", "example-api",
+                                    "--host", "127.0.0.1", "--port", str(api_port)], env)
+    names = ["f26-api-w0", "f26-api-w1"]
+    for name in names:
+        workers.spawn(name, [sys.executable, "-m", "dispatcher.cli", "worker",
+                             "--concurrency", "8", "--lease", "5", "--poll", "0.2",
+                             "--grace", "5", "--handlers", env["OUTBOX_HANDLERS"],
+                             "--name", name], env)
+    base = f"http://127.0.0.1:{api_port}"
+    try:
+        wait_connected(db, names)
+        wait_until(lambda: _api_up(base), 60, interval=0.2, message="the API to listen")
+        pids = {p.name: p.pid for p in workers.started}
+        with ApiClients(base, 6, "f26-api") as clients:
+            wait_until(lambda: len(clients.done) >= 30, 60, interval=0.1,
+                       message="payments before the crash")
+            before_crash = len(clients.done)
+            crashed_at = time.monotonic()
+            cluster.crash()
+            time.sleep(2.0)
+            cluster.start()
+            ready_at = time.monotonic()
+            wait_until(lambda: any(s > ready_at and st == 201
+                                   for s, _, st in list(clients.requests)), 60,
+                       interval=0.05, message="a 201 after the restart")
+            time.sleep(2.0)
+        assert clients.errors == [], clients.errors[:5]
+        with db.connect() as conn:
+            effect_keys = list(conn.execute(text(
+                "SELECT effect_key FROM outbox.effects")).scalars())
+        wait_until(lambda: scalar(db, "SELECT count(*) FROM outbox.effects"
+                                      " WHERE status <> 'delivered'") == 0, 60,
+                   interval=0.2, message=lambda: f"all delivered; now {status_counts(db)}")
+        with db.connect() as conn:
+            per_key = {r[0]: int(r[1]) for r in conn.execute(text(
+                "SELECT idempotency_key, count(*) FROM payments.payments GROUP BY 1"))}
+            key_states = {r[0]: int(r[1]) for r in conn.execute(text(
+                "SELECT status, count(*) FROM outbox.idempotency_keys GROUP BY 1"))}
+        stats = check_exactly_once(db, psp_process, sorted(effect_keys),
+                                   single_attempt=False)
+    finally:
+        db.dispose()
+    done = clients.done
+    statuses: dict[int, int] = {}
+    for _, _, status in clients.requests:
+        statuses[status] = statuses.get(status, 0) + 1
+    assert per_key == {k: 1 for k in done}, "a key executed twice, or not at all"
+    assert key_states == {"completed": len(done)}  # none left processing
+    assert len(effect_keys) == 2 * len(done)
+    assert set(statuses) <= {201, 409, 503}, statuses  # never a 500
+    assert statuses.get(503, 0) > 0, "the clients never saw the outage"
+    assert len(done) > before_crash
+    # One call in flight when the server vanished waits at most the call timeout; a
+    # refused connection fails at once.
+    latencies = [took for _, took, _ in clients.requests]
+    assert max(latencies) < CALL_TIMEOUT + 1.5, summarize(latencies)
+    assert {p.name: p.pid for p in workers.started} == pids
+    assert all(p.alive() for p in workers.started), "a process died: it had to be restarted"
+    assert api.alive()
+    assert "interrupted" in cluster.log_tail(200)  # crash recovery ran at the start
+    after = sorted((s, took, st) for s, took, st in clients.requests if s >= ready_at)
+    first_201 = next(s + took - ready_at for s, took, st in after if st == 201)
+    print(f"F26 (API): {len(done)} payments ({before_crash} before the crash), requests "
+          f"{statuses}, latency {summarize(latencies)}; server down "
+          f"{ready_at - crashed_at:.1f} s; first 201 {first_201:.2f} s after it was ready; "
+          f"each key one payment, {len(effect_keys)} effects applied once (deliveries "
+          f"{stats['deliveries']}, receiver replays {stats['replayed']}); 0 restarts")
+
+
+def _api_up(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/openapi.json", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
