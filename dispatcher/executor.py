@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Status, StatusCode
 
-from dispatcher.handlers import EffectContext, Registry
+from dispatcher.handlers import KEY_RETENTION_SHARE, EffectContext, Registration, Registry
 from dispatcher.policy import RetryPolicy
 from outbox._idempotency import Clock
 from outbox._redact import exception_attributes, redact_secrets
@@ -44,7 +44,12 @@ from outbox._telemetry import (
     tracer,
     tracing_enabled,
 )
-from outbox.errors import AmbiguousOutcome, DeliveryError, TransientFailure
+from outbox.errors import (
+    AmbiguousOutcome,
+    DeliveryError,
+    KeyRetentionPassed,
+    TransientFailure,
+)
 from outbox.sql.dispatch import Claimed, Outcome
 
 _log = logging.getLogger("outbox.dispatcher")
@@ -389,6 +394,9 @@ class Executor:
             try:
                 if registration is None:
                     raise TransientFailure(f"no handler registered for kind {row.kind!r}")
+                if row.attempts > 1 and registration.key_retention is not None:
+                    _refuse_past_key_retention(row, registration,
+                                               self.clock() or datetime.now(UTC))
                 result = registration.handler(effect)
                 if inspect.isawaitable(result):  # never record a coroutine as delivered
                     result = yield result, effect.deadline
@@ -402,7 +410,8 @@ class Executor:
                 decision = self.policy.decide(
                     attempt=row.attempts, max_attempts=row.max_attempts, error=exc,
                     retry_safe=registration.retry_safe if registration else True,
-                    retry_until=row.retry_until, now=self.clock() or datetime.now(UTC))
+                    retry_until=_retry_until(row, registration),
+                    now=self.clock() or datetime.now(UTC))
                 detail = exc.detail if isinstance(exc, DeliveryError) else None
                 http_status = _http_status(
                     exc.http_status if isinstance(exc, DeliveryError) else None)
@@ -445,7 +454,8 @@ class Executor:
         now = self.clock() or datetime.now(UTC)
         error = _db_text(redact_secrets(f"{type(exc).__name__}: {exc}")[:2000])
         if RetryPolicy.exhausted(attempt=row.attempts, max_attempts=row.max_attempts,
-                                 retry_until=row.retry_until, now=now):
+                                 retry_until=_retry_until(row, self.registry.get(row.kind)),
+                                 now=now):
             return Outcome(
                 effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
                 outcome=AttemptOutcome.FAILED, next_status=EffectStatus.FAILED,
@@ -475,7 +485,7 @@ class Executor:
         if not safe:
             outcome, next_status = AttemptOutcome.AMBIGUOUS, EffectStatus.NEEDS_REVIEW
         elif RetryPolicy.exhausted(attempt=row.attempts, max_attempts=row.max_attempts,
-                                   retry_until=row.retry_until,
+                                   retry_until=_retry_until(row, registration),
                                    now=self.clock() or datetime.now(UTC)):
             outcome, next_status = AttemptOutcome.FAILED, EffectStatus.FAILED
             error += " on the last allowed attempt"
@@ -571,3 +581,27 @@ class Executor:
         for future in stranded:
             if not future.done():
                 future.set_exception(RuntimeError("the dispatcher was shut down"))
+
+
+def _retry_until(row: Claimed, registration: Registration | None) -> datetime | None:
+    """When retries of `row` end: its own `retry_until`, or sooner if the receiver of its
+    kind forgets keys (`Registry.register(..., key_retention=)`)."""
+    if registration is None:
+        return row.retry_until
+    return registration.retry_until(row.created_at, row.retry_until)
+
+
+def _refuse_past_key_retention(row: Claimed, registration: Registration,
+                               now: datetime) -> None:
+    """A retry (or a redelivery after a lost lease) sent once the receiver may have
+    forgotten the key would be a new request to it: if an earlier attempt was applied,
+    the effect would be applied twice. Raise instead, before anything is sent."""
+    horizon = registration.retry_until(row.created_at, None)
+    if horizon is not None and now >= horizon:
+        raise KeyRetentionPassed(
+            f"not sent: attempt {row.attempts} would reach the receiver "
+            f"{(now - row.created_at).total_seconds():.0f} s after the effect was created, "
+            f"past {KEY_RETENTION_SHARE:.0%} of its key retention "
+            f"({registration.key_retention:g} s): it may have forgotten the key and apply "
+            "the effect again. An earlier attempt may have been applied: check with the "
+            "receiver before `outbox retry`")

@@ -10,13 +10,14 @@ own event loop and classifies the result the same way (dispatcher/_core.py `_awa
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -57,10 +58,27 @@ class EffectContext:
 Handler = Callable[[EffectContext], Any] | Callable[[EffectContext], Awaitable[Any]]
 
 
+# A retry is sent only within this share of the receiver's key retention: the rest is
+# the margin for the clocks and the attempt's own time on the way.
+KEY_RETENTION_SHARE = 0.9
+
+
 @dataclass(slots=True)
 class Registration:
     handler: Handler
     retry_safe: bool = True  # False: the receiver cannot deduplicate on our key
+    # Seconds the receiver remembers an Idempotency-Key (Stripe: 24 h); None: forever.
+    key_retention: float | None = None
+
+    def retry_until(self, created_at: datetime, retry_until: datetime | None
+                    ) -> datetime | None:
+        """The effect's `retry_until`, or sooner: a retry must reach the receiver while
+        it still knows the key. Counted from the effect's creation, the earliest the
+        receiver can have seen it, so never late; at most KEY_RETENTION_SHARE of it."""
+        if self.key_retention is None:
+            return retry_until
+        horizon = created_at + timedelta(seconds=KEY_RETENTION_SHARE * self.key_retention)
+        return horizon if retry_until is None else min(horizon, retry_until)
 
 
 @dataclass
@@ -69,17 +87,31 @@ class Registry:
 
     handlers: dict[str, Registration] = field(default_factory=dict)
 
-    def register(self, kind: str, handler: Handler, *, retry_safe: bool = True) -> None:
+    def register(self, kind: str, handler: Handler, *, retry_safe: bool = True,
+                 key_retention: float | None = None) -> None:
         """`retry_safe=False` parks ambiguous outcomes (`needs_review`) instead of retrying.
+
+        `key_retention`: how long the receiver remembers an Idempotency-Key, in seconds
+        (Stripe: 86 400). Past it a retry is a new request to the receiver, which would
+        apply the effect again if an earlier attempt was applied. No retry of this kind
+        is scheduled or sent later than 90 % of it after the effect's creation: the
+        effect is dead-lettered instead (`KeyRetentionPassed`), for an operator to check
+        with the receiver before `outbox retry`. A first attempt is always sent.
 
         `handler` may be a coroutine function: the dispatcher awaits it on its event
         loop, so a delivery is recorded only once the body has run.
         """
-        self.handlers[kind] = Registration(handler, retry_safe)
+        if key_retention is not None and (
+                isinstance(key_retention, bool) or not isinstance(key_retention, int | float)
+                or not 0 < key_retention < math.inf):
+            raise ValueError("key_retention is a positive number of seconds, or None")
+        self.handlers[kind] = Registration(
+            handler, retry_safe, None if key_retention is None else float(key_retention))
 
-    def handler(self, kind: str, *, retry_safe: bool = True) -> Callable[[Handler], Handler]:
+    def handler(self, kind: str, *, retry_safe: bool = True,
+                key_retention: float | None = None) -> Callable[[Handler], Handler]:
         def decorate(fn: Handler) -> Handler:
-            self.register(kind, fn, retry_safe=retry_safe)
+            self.register(kind, fn, retry_safe=retry_safe, key_retention=key_retention)
             return fn
         return decorate
 

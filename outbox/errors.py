@@ -185,6 +185,11 @@ class PermanentFailure(DeliveryError):
     """The effect can never succeed: dead-letter it without further attempts."""
 
 
+class KeyRetentionPassed(PermanentFailure):
+    """Not sent: a retry would reach the receiver after it may have forgotten the
+    effect's key (`Registry.register(..., key_retention=)`), and then apply it again."""
+
+
 class TransientFailure(DeliveryError):
     """Worth retrying with backoff (5xx, 409, refused connection, ...)."""
 

@@ -608,6 +608,132 @@ def test_retry_until_stops_retries_by_the_dispatcher_clock(engine: Engine,
     assert effect_row(engine, "horizon").status == "failed"
 
 
+def _forgetting_receiver_retry(engine: Engine, psp: Receiver, key: str,
+                               registry: Registry) -> tuple[int, int]:
+    """F24's setting: the first attempt is applied by the receiver, which answers 500;
+    the receiver then forgets the key (its retention passes, in wall time) and the
+    dispatcher's clock is 2 h later when the retry is due. (deliveries, applications)
+    the receiver counted for the key."""
+    psp.set_mode("apply_then_500", key=key, times=1)
+    psp.set_mode("forget", older_than=0.5)
+    add_effects(engine, [key], kind="psp.charge")
+    clock = [db_now(engine) + timedelta(seconds=1)]
+    d = Dispatcher(engine, registry, concurrency=2, policy=RetryPolicy(wait=wait_fixed(60)),
+                   clock=lambda: clock[0])
+    try:
+        d.drain(budget=10)
+        assert effect_row(engine, key).status == "pending"
+        time.sleep(0.7)  # the receiver's retention passes: it forgets the key
+        clock[0] += timedelta(hours=2)
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    [entry] = psp.ledger(key)["keys"]
+    return int(entry["deliveries"]), int(entry["applied"])
+
+
+def test_f24_a_retry_after_the_receiver_forgot_the_key_applies_twice_without_the_horizon(
+        engine: Engine, psp: Receiver) -> None:
+    """The hazard itself, so the next test means something: a receiver that forgot the
+    key takes the retry for a new request and applies the charge a second time."""
+    assert _forgetting_receiver_retry(engine, psp, "f24-open", _http_registry(psp.url)) \
+        == (2, 2)
+    assert effect_row(engine, "f24-open").status == "delivered"
+
+
+def test_f24_no_retry_is_sent_past_the_receivers_key_retention(
+        engine: Engine, psp: Receiver) -> None:
+    """With the receiver's key retention declared (1 h), the retry due 2 h after the
+    effect's creation is not sent: the effect is dead-lettered with the reason, applied
+    once, and the attempt says so."""
+    registry = _http_registry(psp.url)
+    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
+                      key_retention=3600)
+    assert _forgetting_receiver_retry(engine, psp, "f24-held", registry) == (1, 1)
+    row = effect_row(engine, "f24-held")
+    assert (row.status, row.attempts) == ("failed", 2)
+    assert row.last_error.startswith("KeyRetentionPassed: not sent: attempt 2")
+    history = attempts_of(engine, row.id)
+    assert [(a.attempt, a.outcome, a.http_status) for a in history] == [
+        (1, "retry", 500), (2, "failed", None)]
+
+
+def test_f24_no_retry_is_scheduled_past_the_receivers_key_retention(
+        engine: Engine, psp: Receiver) -> None:
+    """A retry whose wait would end past 90 % of the key retention is never scheduled:
+    the failing attempt dead-letters the effect at once; a first attempt is sent
+    however old the effect (the receiver has not seen its key)."""
+    psp.set_mode("fail_500", key="f24-late")
+    registry = Registry()
+    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
+                      key_retention=600)
+    add_effects(engine, ["f24-late", "f24-old"], kind="psp.charge")
+    clock = [db_now(engine) + timedelta(seconds=540)]  # both created 9 minutes ago
+    d = Dispatcher(engine, registry, concurrency=2, policy=RetryPolicy(wait=wait_fixed(1)),
+                   clock=lambda: clock[0])
+    try:
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    late, old = effect_row(engine, "f24-late"), effect_row(engine, "f24-old")
+    assert (late.status, late.attempts) == ("failed", 1)
+    assert late.last_error.startswith("TransientFailure: HTTP 500")
+    assert (old.status, old.attempts) == ("delivered", 1)
+
+
+def test_f24_a_lost_lease_redelivered_past_the_key_retention_is_not_sent(
+        engine: Engine, psp: Receiver) -> None:
+    """A worker died mid-delivery (the receiver may have applied it); its lease is
+    rescued 2 h later, past the receiver's key retention (1 h): not sent, dead-lettered."""
+    registry = Registry()
+    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
+                      key_retention=3600)
+    add_effects(engine, ["f24-rescued"], kind="psp.charge")
+    t0 = db_now(engine)
+    assert len(claim(engine, owner="died", lease=5, now=t0)) == 1
+    clock = [t0 + timedelta(hours=2)]
+    d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT, clock=lambda: clock[0])
+    try:
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    row = effect_row(engine, "f24-rescued")
+    assert (row.status, row.attempts) == ("failed", 2)
+    assert row.last_error.startswith("KeyRetentionPassed")
+    assert psp.ledger("f24-rescued")["keys"] == []  # nothing reached the receiver
+
+
+def test_the_default_policy_waits_13_hours_at_most_in_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """README (F24): without `key_retention`, the default policy's waits between its 25
+    attempts add up to 13.1 h even if each draws its maximum (a receiver's Retry-After
+    is capped the same way): inside a 24 h key retention while the workers run."""
+    import random
+
+    from outbox._config import DEFAULT_MAX_ATTEMPTS
+
+    monkeypatch.setattr(random, "uniform", lambda low, high: high)  # every wait its max
+    policy, waits = RetryPolicy(), []
+    for attempt in range(1, DEFAULT_MAX_ATTEMPTS + 1):
+        for error in (TransientFailure("HTTP 503"), RetryAfter(10**9)):
+            decision = policy.decide(attempt=attempt, max_attempts=DEFAULT_MAX_ATTEMPTS,
+                                     error=error)
+            if attempt == DEFAULT_MAX_ATTEMPTS:
+                assert decision.next_status == "failed"
+            else:
+                assert decision.delay <= 3600
+        if attempt < DEFAULT_MAX_ATTEMPTS:
+            waits.append(policy.decide(attempt=attempt, max_attempts=DEFAULT_MAX_ATTEMPTS,
+                                       error=TransientFailure("HTTP 503")).delay)
+    assert sum(waits) == (2**12 - 1) + 12 * 3600 == 47_295  # 13.1 h
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), True, "3600"])
+def test_key_retention_must_be_a_positive_number(bad: Any) -> None:
+    with pytest.raises(ValueError, match="key_retention"):
+        Registry().register("x", lambda effect: None, key_retention=bad)
+
+
 def test_expired_lease_past_retry_until_is_dead_lettered_not_rescued(engine: Engine) -> None:
     add_effects(engine, ["horizon2"], retry_for=10)
     t0 = db_now(engine)

@@ -28,7 +28,8 @@ def registry() -> Registry:
     timeout = float(os.environ.get("OUTBOX_HTTP_TIMEOUT", "10"))
     cls = http_handler_class()
     reg = Registry()
-    reg.register("psp.charge", cls(f"{base}/charges", timeout=timeout))
+    # The PSP remembers an Idempotency-Key for 24 h, as Stripe does: no retry after that.
+    reg.register("psp.charge", cls(f"{base}/charges", timeout=timeout), key_retention=86_400)
     reg.register("email.receipt", cls(f"{base}/emails", timeout=timeout))
     reg.register("webhook", cls(f"{base}/hooks", timeout=timeout))
     return reg
