@@ -33,11 +33,12 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from dispatcher.completer import Completer, Stats
-from dispatcher.executor import Executor, SlotPool, _crashpoint, _db_text, _jsonb_text
+from dispatcher.executor import Executor, SlotPool, _db_text, _jsonb_text
 from dispatcher.handlers import Registry
 from dispatcher.policy import RetryPolicy
 from dispatcher.producer import FULL_SCAN_EVERY, Producer, backend_pid, db_retry
 from dispatcher.watch import Watch
+from outbox._crash import crashpoint
 from outbox._idempotency import Clock, database_clock
 from outbox.sql import dispatch as sql
 from outbox.sql.dispatch import Claimed, Outcome
@@ -287,7 +288,7 @@ class Dispatcher:
         self._last_claim = time.monotonic()
         rows = self._claim(free)
         if rows:
-            _crashpoint("after_claim")
+            crashpoint("after_claim")
         self.stats.claimed += len(rows)
         now = time.monotonic()
         deadline = self.executor.deadline(now)

@@ -15,9 +15,7 @@ import functools
 import inspect
 import json
 import logging
-import os
 import re
-import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
@@ -30,6 +28,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from dispatcher.handlers import KEY_RETENTION_SHARE, EffectContext, Registration, Registry
 from dispatcher.policy import RetryPolicy
+from outbox._crash import crashpoint
 from outbox._idempotency import Clock
 from outbox._redact import exception_attributes, redact_secrets
 from outbox._schema import AttemptOutcome, EffectStatus
@@ -58,16 +57,6 @@ T = TypeVar("T")
 _DELIVERED = AttemptOutcome.DELIVERED
 _ST_DELIVERED = EffectStatus.DELIVERED
 
-
-# Read once: the hook is set in a test process's environment before it starts (a
-# lookup of os.environ per delivery cost ~2 % of a no-op delivery).
-_CRASH_AT = frozenset(filter(None, os.environ.get("OUTBOX_CRASH_AT", "").split(",")))
-
-
-def _crashpoint(name: str) -> None:
-    """Test hook (H3): `OUTBOX_CRASH_AT=name` SIGKILLs this process at that point."""
-    if name in _CRASH_AT:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # What a handler or receiver hands us is stored by the batch's one record statement:
@@ -400,7 +389,7 @@ class Executor:
                 result = registration.handler(effect)
                 if inspect.isawaitable(result):  # never record a coroutine as delivered
                     result = yield result, effect.deadline
-                _crashpoint("after_deliver_before_record")
+                crashpoint("after_deliver_before_record")
             # Every failure is classified by the policy, BaseExceptions too: a handler
             # raising SystemExit or KeyboardInterrupt used to skip it (and the cap).
             except BaseException as exc:

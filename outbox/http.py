@@ -85,6 +85,7 @@ from tenacity import AsyncRetrying, Retrying
 
 from outbox import _web
 from outbox._canonical import DEFAULT_MAX_BODY, fingerprint, parse_idempotency_key, parse_json_body
+from outbox._crash import crashpoint
 from outbox._idempotency import (
     Claim,
     IdempotencyGuard,
@@ -626,6 +627,7 @@ class IdempotentRequest(Generic[M]):
             if problem is None:
                 raise
             raise problem from exc
+        crashpoint("after_commit_before_response")
         if result.replayed or not sent:
             return to_response(result.response, replayed=result.replayed)
         full, original = sent[0]
@@ -642,6 +644,7 @@ class IdempotentRequest(Generic[M]):
 
     def _finish(self, result: Result,
                 sent: list[tuple[StoredResponse, Response | StoredResponse]]) -> Response:
+        crashpoint("after_commit_before_response")
         if result.replayed or not sent:
             return to_response(result.response, replayed=result.replayed)
         full, original = sent[0]

@@ -261,6 +261,56 @@ def test_f07_answer_lost_after_commit_is_replayed_not_reexecuted(payments_db: En
           "the lost bytes exactly; 0 new payments, 0 new effects")
 
 
+@pytest.mark.slow
+def test_f07_api_killed_after_commit_before_answering_is_replayed_by_another(
+        payments_db: Engine, db_url: str, tmp_path: Path) -> None:
+    """F07 with a crash point: the example API's process is SIGKILLed after the
+    request's transaction committed and before it answered (`OUTBOX_CRASH_AT=
+    after_commit_before_response`), as a deploy or an OOM kill does. The client sees
+    the connection drop; its retry of the same key, sent to another API process (a
+    load balancer's next pick), is the replay: 201, the committed payment's id, no
+    new payment or effect; the same key with another body is 422."""
+    group = Procs(tmp_path, "http://127.0.0.1:9")
+    ports = {"doomed": free_port(), "healthy": free_port()}
+    try:
+        for name, port in ports.items():
+            env = {"DATABASE_URL": db_url}
+            if name == "doomed":
+                env["OUTBOX_CRASH_AT"] = "after_commit_before_response"
+            group.spawn(f"f07-{name}", [sys.executable, "-m", "dispatcher.cli",
+                                        "example-api", "--host", "127.0.0.1",
+                                        "--port", str(port)], env)
+        bases = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
+        for base in bases.values():
+            wait_until(lambda: _api_up(base), 60, interval=0.2,  # noqa: B023 (called now)
+                       message="the API to listen")
+        doomed = group.started[0]
+        key, body = f"f07-crash-{uuid.uuid4().hex[:8]}", {**PAYMENT, "amount": 777}
+        with httpx.Client(timeout=10, trust_env=False, headers=CLIENT) as client:
+            with pytest.raises(httpx.TransportError):
+                client.post(f"{bases['doomed']}/payments", json=body,
+                            headers={"Idempotency-Key": key})
+            assert doomed.wait(10) == -signal.SIGKILL  # it died where it was told to
+            committed = payment_state(payments_db, key)
+            assert len(committed["payments"]) == 1  # committed before the crash
+            retry = client.post(f"{bases['healthy']}/payments", json=body,
+                                headers={"Idempotency-Key": key})
+            other = client.post(f"{bases['healthy']}/payments",
+                                json={**body, "amount": 778},
+                                headers={"Idempotency-Key": key})
+    finally:
+        group.cleanup()
+    assert retry.status_code == 201, retry.text
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert retry.json()["id"] == committed["payments"][0]
+    assert other.status_code == 422, other.text
+    state = payment_state(payments_db, key)
+    assert state["payments"] == committed["payments"]
+    assert state["effects"] == {"psp.charge": 1, "email.receipt": 1}
+    print(f"F07 (crash): the API SIGKILLed after its commit; the retry on another process "
+          f"replayed payment {retry.json()['id']}: 0 new payments, 0 new effects")
+
+
 # --------------------------------------------------------------------------- F12
 
 
