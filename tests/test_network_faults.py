@@ -343,6 +343,42 @@ def test_a_request_silenced_mid_transaction_is_a_503_in_bound_and_its_key_recove
           f"(idle_in_transaction_session_timeout {idle:g} s)")
 
 
+@pytest.mark.parametrize("mode", ["atomic", "phased"])
+def test_a_blackholed_database_is_a_503_within_the_connect_timeout_and_recovers(
+        payments_db: Engine, db_url: str, pg_proxy: TcpProxy, mode: Mode) -> None:
+    """The database's host takes the connection and never answers (a black hole: no
+    RST, no startup reply) while the API's pool has no connection open. The request
+    waits for the connect timeout, not for the kernel's TCP timeouts, and is a 503 +
+    Retry-After (never a 500); once the path is back, the same key executes once."""
+    connect_timeout = 2.0
+    api = proxied(db_url, pg_proxy, call_timeout=1.0, pool_size=2, max_overflow=2,
+                  connect_args={"connect_timeout": int(connect_timeout)})
+    key = f"net-hole-{mode}-{uuid.uuid4().hex[:8]}"
+    try:
+        with TestClient(create_app(api, idempotency_mode=mode),
+                        raise_server_exceptions=False, headers=CLIENT) as client:
+            api.dispose()  # no pooled connection: the next request must open one
+            pg_proxy.set_mode("blackhole")
+            started = time.monotonic()
+            first = client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": key})
+            answered = time.monotonic() - started
+            pg_proxy.set_mode("pass")
+            retry = client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": key})
+    finally:
+        api.dispose()
+    assert first.status_code == 503, first.text
+    assert first.headers["retry-after"] == "1"
+    assert connect_timeout - 0.2 <= answered < 2 * connect_timeout + 1.0, answered
+    assert retry.status_code == 201, retry.text
+    assert retry.headers.get("idempotent-replayed") is None  # executed now, once
+    with payments_db.connect() as conn:
+        assert conn.execute(text(
+            "SELECT count(*) FROM payments.payments WHERE idempotency_key = :k"),
+            {"k": key}).scalar_one() == 1
+    print(f"blackholed database ({mode}): 503 after {answered:.2f} s (connect_timeout "
+          f"{connect_timeout:g} s); the retry executed once")
+
+
 # --------------------------------------------------------------------------- the receiver
 
 
