@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 from opentelemetry import propagate, trace
@@ -345,11 +345,25 @@ class Executor:
 
             loop.call_soon_threadsafe(start)
 
+    def db_now(self, row: Claimed, started_monotonic: float | None = None) -> datetime:
+        """The database's time now, without asking it: the injected clock's, else the
+        claim's (the lease's end, set by the database, less the lease) plus the time
+        since the delivery started, by this host's monotonic clock. A host whose wall
+        clock is off (F32) still ends retries, keeps to a key retention and dates its
+        attempts as the database would."""
+        injected = self.clock()
+        if injected is not None:
+            return injected
+        claimed = row.lease_expires_at - timedelta(seconds=self.lease)
+        if started_monotonic is None:
+            return claimed
+        return claimed + timedelta(seconds=max(0.0, time.monotonic() - started_monotonic))
+
     def _attempt(self, row: Claimed, started_monotonic: float) -> Attempt:
         """One attempt, written once for both drivers: yields (awaitable, deadline)
         when the handler returns an awaitable, and receives its result (or the error,
         thrown in); returns the attempt's Outcome."""
-        started_at = datetime.now(UTC)
+        started_at = self.db_now(row, started_monotonic)
         headers = row.headers if isinstance(row.headers, dict) else {}
         parent = propagate.extract(headers) if headers else None
         registration = self.registry.get(row.kind)
@@ -385,7 +399,7 @@ class Executor:
                     raise TransientFailure(f"no handler registered for kind {row.kind!r}")
                 if row.attempts > 1 and registration.key_retention is not None:
                     _refuse_past_key_retention(row, registration,
-                                               self.clock() or datetime.now(UTC))
+                                               self.db_now(row, started_monotonic))
                 result = registration.handler(effect)
                 if inspect.isawaitable(result):  # never record a coroutine as delivered
                     result = yield result, effect.deadline
@@ -400,7 +414,7 @@ class Executor:
                     attempt=row.attempts, max_attempts=row.max_attempts, error=exc,
                     retry_safe=registration.retry_safe if registration else True,
                     retry_until=_retry_until(row, registration),
-                    now=self.clock() or datetime.now(UTC))
+                    now=self.db_now(row, started_monotonic))
                 detail = exc.detail if isinstance(exc, DeliveryError) else None
                 http_status = _http_status(
                     exc.http_status if isinstance(exc, DeliveryError) else None)
@@ -428,7 +442,8 @@ class Executor:
             delivery_duration.record(duration, delivered_labels)
             process_duration.record(duration, process_labels)
             delivery_lag.record(
-                max(0.0, (datetime.now(UTC) - row.created_at).total_seconds()), labels)
+                max(0.0, (self.db_now(row, started_monotonic) - row.created_at)
+                    .total_seconds()), labels)
             status = result.get("status") if isinstance(result, dict) else None
             return Outcome(
                 effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
@@ -440,7 +455,7 @@ class Executor:
     def crashed(self, row: Claimed, exc: BaseException) -> Outcome:
         """The outcome when `execute` itself failed (a bug in a policy, say): retried
         with backoff, never stranded, but dead-lettered at the cap like any attempt."""
-        now = self.clock() or datetime.now(UTC)
+        now = self.db_now(row)  # the claim's time: a crash is recorded at once
         error = _db_text(redact_secrets(f"{type(exc).__name__}: {exc}")[:2000])
         if RetryPolicy.exhausted(attempt=row.attempts, max_attempts=row.max_attempts,
                                  retry_until=_retry_until(row, self.registry.get(row.kind)),
@@ -448,12 +463,12 @@ class Executor:
             return Outcome(
                 effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
                 outcome=AttemptOutcome.FAILED, next_status=EffectStatus.FAILED,
-                started_at=datetime.now(UTC), error=error, kind=row.kind, queue=row.queue,
+                started_at=now, error=error, kind=row.kind, queue=row.queue,
             ordered=row.ordering_key is not None)
         return Outcome(
             effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
             outcome=AttemptOutcome.RETRY, next_status=EffectStatus.PENDING,
-            started_at=datetime.now(UTC), delay=min(60.0, 2.0 ** row.attempts), error=error,
+            started_at=now, delay=min(60.0, 2.0 ** row.attempts), error=error,
             kind=row.kind, queue=row.queue,
             ordered=row.ordering_key is not None)
 
@@ -469,13 +484,13 @@ class Executor:
         """
         registration = self.registry.get(row.kind)
         safe = registration.retry_safe if registration else True
-        started = datetime.now(UTC) - timedelta(seconds=time.monotonic() - started_monotonic)
+        now = self.db_now(row, started_monotonic)
+        started = now - timedelta(seconds=time.monotonic() - started_monotonic)
         error = "released: worker shut down mid-delivery"
         if not safe:
             outcome, next_status = AttemptOutcome.AMBIGUOUS, EffectStatus.NEEDS_REVIEW
         elif RetryPolicy.exhausted(attempt=row.attempts, max_attempts=row.max_attempts,
-                                   retry_until=_retry_until(row, registration),
-                                   now=self.clock() or datetime.now(UTC)):
+                                   retry_until=_retry_until(row, registration), now=now):
             outcome, next_status = AttemptOutcome.FAILED, EffectStatus.FAILED
             error += " on the last allowed attempt"
         else:

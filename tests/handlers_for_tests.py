@@ -7,6 +7,7 @@ Kinds:
   psp.charge   POST $PSP_URL/charges  (the fake PSP dedupes on Idempotency-Key)
   psp.event    POST $PSP_URL/events   (payload carries ordering_key + seq: F31)
   psp.unsafe   POST $PSP_URL/charges, declared not retry-safe (ambiguous -> review)
+  psp.retained POST $PSP_URL/charges, a receiver that keeps keys for 1 h (key_retention)
   noop         returns at once, touches nothing
 `OUTBOX_HTTP_TIMEOUT` (seconds, default 2) bounds each HTTP call.
 """
@@ -31,5 +32,7 @@ def registry() -> Registry:
     reg.register("psp.event", HttpHandler(f"{base}/events", timeout=timeout))
     reg.register("psp.unsafe", HttpHandler(f"{base}/charges", timeout=timeout),
                  retry_safe=False)
+    reg.register("psp.retained", HttpHandler(f"{base}/charges", timeout=timeout),
+                 key_retention=3600)
     reg.register("noop", _noop)
     return reg

@@ -176,6 +176,46 @@ def test_f16_eight_workers_deliver_every_effect_exactly_once(
           f"lag p50/p99 {lag}")
 
 
+# --------------------------------------------------------------------------- F32
+
+FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+SKEWED = {"LD_PRELOAD": str(FAKETIME), "FAKETIME": "+2h", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+
+
+@pytest.mark.skipif(not FAKETIME.exists(),
+                    reason="libfaketime is not installed (Debian package `faketime`)")
+def test_f32_a_worker_whose_host_clock_is_2_hours_ahead_decides_by_the_database_clock(
+        engine: Engine, procs: Procs, psp: ReceiverProcess) -> None:
+    """F32 with libfaketime: an `outbox worker` on a host whose wall clock is 2 h ahead
+    (its monotonic clock untouched). Two effects fail once (HTTP 500) and must be
+    retried, not dead-lettered: one may retry for 10 minutes (`retry_for`), the other's
+    receiver keeps keys for 1 h (`key_retention`). By the host's clock both would be
+    past their horizon at the first failure; by the database's they are not. The
+    attempts are dated by the database's clock too."""
+    shown = subprocess.run([sys.executable, "-c", "import time; print(time.time())"],
+                           env={**os.environ, **SKEWED}, capture_output=True, text=True,
+                           check=True)
+    assert float(shown.stdout) - time.time() > 7000, "libfaketime did not skew the clock"
+    psp.set_mode("fail_500", key="f32-window", times=1)
+    psp.set_mode("fail_500", key="f32-retained", times=1)
+    add_effects(engine, ["f32-window"], kind="psp.charge", retry_for=600)
+    add_effects(engine, ["f32-retained"], kind="psp.retained")
+    procs.worker("f32-skewed", concurrency=2, lease=10, poll=0.2, env=SKEWED)
+    wait_all_final(engine, 2, timeout=30)
+    for key in ("f32-window", "f32-retained"):
+        row = effect_row(engine, key)
+        history = attempts_of(engine, row.id)
+        assert (row.status, row.attempts) == ("delivered", 2), (key, row.last_error)
+        assert [a.outcome for a in history] == ["retry", "delivered"]
+        for attempt in history:  # dated by the database's clock, not the host's
+            assert abs((attempt.started_at - row.created_at).total_seconds()) < 300, (
+                key, attempt.started_at, row.created_at)
+        [entry] = psp.ledger(key)["keys"]
+        assert (entry["deliveries"], entry["applied"]) == (2, 1)
+    print("F32: a worker 2 h ahead by its host's clock retried both effects (retry_for "
+          "10 min, key_retention 1 h) and dated its attempts by the database's clock")
+
+
 # --------------------------------------------------------------------------- F18/F19
 
 
