@@ -536,6 +536,68 @@ def test_f28_celery_child_sigkilled_mid_drain(
           f" (lease {lease} s, sweep 1 s); receiver replays {replays}, applied once each")
 
 
+def test_f29_a_celery_worker_dead_with_reserved_doorbells_delays_nothing_past_the_lease(
+        engine: Engine, procs: Procs, psp: ReceiverProcess, redis_broker: str) -> None:
+    """F29: Celery worker A (2 children, no beat) dies whole, SIGKILLed with its
+    children as a lost host dies, while it delivers slow charges and holds doorbells it
+    reserved from Redis. Those messages stay unacked in the broker for its visibility
+    timeout (an hour); the rows do not wait for them. Worker B on the same queue, which
+    runs the beat, sweeps: the rows A held in flight are rescued after their lease, the
+    rest are claimed by B's drains. All 40 are delivered within the lease and a few
+    sweeps of the kill, each charge applied once."""
+    import redis
+
+    lease, queue = 3.0, f"outbox-test-{uuid.uuid4().hex[:8]}"
+    env = {"OUTBOX_LEASE": str(lease), "OUTBOX_SWEEP_INTERVAL": "1",
+           "OUTBOX_CONCURRENCY": "4"}
+    common = ["--pool", "prefork", "-c", "2", "--loglevel", "INFO", "--without-gossip",
+              "--without-mingle", "--without-heartbeat"]
+    a = procs.celery_app_worker("f29-a", [*common, "-n", f"f29-a-{queue}@%h"],
+                                queue=queue, broker=redis_broker, env=env)
+    psp.set_mode("slow", key_prefix="f29-", delay=1.0)
+    expected = keys("f29", 40)
+    add_effects(engine, expected, kind="psp.charge", payload=lambda i, k: {"amount": i})
+    bell = producer(redis_broker, queue)
+    for _ in range(8):  # more doorbells than A's children take at once: some reserved
+        ring(bell, queue)
+
+    def a_delivering() -> bool:
+        with engine.connect() as conn:
+            owners = conn.execute(text(
+                "SELECT DISTINCT lease_owner FROM outbox.effects WHERE status = 'in_flight'"
+            )).scalars().all()
+        mine = {c.pid for c in psutil.Process(a.pid).children(recursive=True)}
+        return bool({int(o.split(":")[1]) for o in owners} & mine) \
+            and psp.stats()["deliveries"] > 0
+
+    wait_until(a_delivering, 60, interval=0.05, message="worker A delivering")
+    with engine.connect() as conn:
+        stranded = set(conn.execute(text(
+            "SELECT effect_key FROM outbox.effects WHERE status = 'in_flight'")).scalars())
+    os.killpg(a.pid, signal.SIGKILL)  # the main process and its children at once
+    killed_at = time.time()
+    assert a.wait(10) == -signal.SIGKILL
+    unacked = redis.Redis.from_url(redis_broker).hlen("unacked")
+    procs.celery_app_worker("f29-b", [*common, "-B", "-s", str(procs.tmp / "f29-beat"),
+                                      "-n", f"f29-b-{queue}@%h"],
+                            queue=queue, broker=redis_broker, env=env)
+    wait_all_final(engine, 40, timeout=90)
+    recovered = time.time() - killed_at
+    check_exactly_once(engine, psp, expected, single_attempt=False)
+    assert stranded, "A held nothing in flight when it died"
+    assert unacked > 0, "A held no reserved doorbell when it died"
+    # Bounded by the lease, B's start (a few seconds) and its sweeps, not the broker's
+    # visibility timeout (3600 s).
+    assert recovered < lease + 40, recovered
+    rescued = [effect_row(engine, k) for k in stranded]
+    assert all(r.attempts >= 2 for r in rescued)
+    lag = summarize(r.delivered_at.timestamp() - killed_at for r in rescued)
+    print(f"F29: worker A killed whole with {len(stranded)} rows in flight and {unacked} "
+          f"doorbells unacked in Redis; all 40 delivered {recovered:.1f} s later (B started "
+          f"after the kill; lease {lease} s, sweep 1 s); rescued rows delivered after {lag} s,"
+          f" each applied once")
+
+
 def test_f28_poison_loop_is_stopped_by_the_attempts_cap(
         engine: Engine, procs: Procs, psp: ReceiverProcess, redis_broker: str) -> None:
     """Every drain of this effect kills its child (acks_late + reject_on_worker_lost
