@@ -122,7 +122,17 @@ def test_a_long_transaction_holds_the_horizon_and_the_dead_tuples(
 
         vacuum(engine)  # the horizon is held: VACUUM cannot remove them
         after_blocked = g.collect()
+        # The held snapshot still reads every deleted row: VACUUM removed none.
+        assert long_txn.execute(text("SELECT count(*) FROM outbox.effects")).scalar() == ROWS
         if not _embedded(engine):
+            if after_blocked["outbox.db.table.dead_tuples"]["effects"] < ROWS:
+                # Seen twice in full runs on the shared server (session 9 and 10),
+                # never alone: the VACUUM reported 0 dead tuples although the rows were
+                # still there (the read above). A second VACUUM behind the same horizon
+                # reports them again if they are there; if VACUUM removed them, it
+                # reports 0 again and this fails.
+                vacuum(engine)
+                after_blocked = g.collect()
             assert after_blocked["outbox.db.table.dead_tuples"]["effects"] >= ROWS
         assert 0 <= after_blocked["outbox.db.table.last_vacuum_age"]["effects"] < 60
         assert after_blocked["outbox.db.xmin_horizon.age"]["session"] >= 6
