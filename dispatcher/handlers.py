@@ -119,7 +119,10 @@ class Registry:
         return self.handlers.get(kind)
 
 
-def _retry_after_seconds(value: str | None) -> float | None:
+def _retry_after_seconds(value: str | None, date: str | None = None) -> float | None:
+    """Retry-After as seconds. An HTTP-date is measured against the reply's own `Date`
+    (both the receiver's clock), not this host's clock, which may be off (F32); only a
+    reply without a usable `Date` falls back on ours."""
     if not value:
         return None
     try:
@@ -130,7 +133,15 @@ def _retry_after_seconds(value: str | None) -> float | None:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
-    return max(0.0, (when - datetime.now(when.tzinfo)).total_seconds())
+    reference: datetime | None = None
+    if date:
+        try:
+            reference = parsedate_to_datetime(date)
+        except (TypeError, ValueError):
+            reference = None
+    if reference is None or (reference.tzinfo is None) != (when.tzinfo is None):
+        reference = datetime.now(when.tzinfo)
+    return max(0.0, (when - reference).total_seconds())
 
 
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
@@ -257,7 +268,7 @@ def _summary(status: int, body: str, truncated: bool) -> dict[str, Any]:
 
 
 def classify_reply(status: int, body: str, truncated: bool, retry_after: str | None,
-                   shown_url: str) -> dict[str, Any]:
+                   shown_url: str, date: str | None = None) -> dict[str, Any]:
     """The receiver's answer as an outcome, for every HTTP handler: 2xx returns the
     stored summary; 408/409/425/429 and 5xx raise a retry (RetryAfter when the reply
     says when); any other status raises PermanentFailure."""
@@ -266,7 +277,7 @@ def classify_reply(status: int, body: str, truncated: bool, retry_after: str | N
         return summary
     message = f"HTTP {status} from {shown_url}"
     if status in RETRYABLE_STATUSES or status >= 500:
-        delay = _retry_after_seconds(retry_after)
+        delay = _retry_after_seconds(retry_after, date)
         if delay is not None:
             raise RetryAfter(delay, message, http_status=status, detail=summary)
         raise TransientFailure(message, http_status=status, detail=summary)
@@ -343,6 +354,7 @@ class HttpHandler:
                 status = response.status_code
                 body, truncated = self._read_prefix(response, deadline)
                 retry_after = response.headers.get("Retry-After")
+                date = response.headers.get("Date")
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise TransientFailure(redact_secrets(f"could not connect: {exc!r}")) from exc
         except (httpx.TimeoutException, httpx.RemoteProtocolError, httpx.ReadError) as exc:
@@ -355,7 +367,7 @@ class HttpHandler:
                                    ) from exc
         finally:
             _deadline.at = previous
-        return classify_reply(status, body, truncated, retry_after, self._shown_url)
+        return classify_reply(status, body, truncated, retry_after, self._shown_url, date)
 
     def _read_prefix(self, response: httpx.Response, deadline: float) -> tuple[str, bool]:
         """The reply's first `max_reply_bytes`, decoded; True if more was left unread.

@@ -203,7 +203,8 @@ class AsyncHttpHandler:
             if response is not None:
                 response.close()  # an unread rest is never read: the connection is dropped
         return classify_reply(response.status, self._text(response, prefix), truncated,
-                              response.headers.get("Retry-After"), self._shown_url)
+                              response.headers.get("Retry-After"), self._shown_url,
+                              response.headers.get("Date"))
 
     async def _read_prefix(self, response: aiohttp.ClientResponse, prefix: bytearray
                            ) -> bool:

@@ -319,8 +319,13 @@ class QueueGauges:
                 if h.since_vacuum is not None]
 
     def _observe_watchers(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(snap.watchers.get(queue, 0), {"queue": queue, **source.labels})
-                for snap, source in self._watched() for queue in sorted(source.watched)]
+        out: list[Observation] = []
+        for snap, source in self._watched():
+            with source.lock:
+                queues = sorted(source.watched)
+            out.extend(Observation(snap.watchers.get(queue, 0),
+                                   {"queue": queue, **source.labels}) for queue in queues)
+        return out
 
     def _observe_horizon_age(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(h.xid_age if (h := snap.horizon.get(k)) else 0,

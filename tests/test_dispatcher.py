@@ -703,29 +703,45 @@ def test_f24_a_lost_lease_redelivered_past_the_key_retention_is_not_sent(
     assert psp.ledger("f24-rescued")["keys"] == []  # nothing reached the receiver
 
 
-def test_the_default_policy_waits_13_hours_at_most_in_all(
+def test_the_default_policys_retry_horizon_is_13_hours_or_24_with_retry_after(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """README (F24): without `key_retention`, the default policy's waits between its 25
-    attempts add up to 13.1 h even if each draws its maximum (a receiver's Retry-After
-    is capped the same way): inside a 24 h key retention while the workers run."""
+    attempts add up to 13.1 h even if each draws its maximum; a receiver that answers
+    every attempt with a Retry-After of an hour or more stretches them to 24 h (each
+    capped at `max_wait`, 1 h): a 24 h key retention is reached. Hence key_retention."""
     import random
 
     from outbox._config import DEFAULT_MAX_ATTEMPTS
 
     monkeypatch.setattr(random, "uniform", lambda low, high: high)  # every wait its max
-    policy, waits = RetryPolicy(), []
-    for attempt in range(1, DEFAULT_MAX_ATTEMPTS + 1):
-        for error in (TransientFailure("HTTP 503"), RetryAfter(10**9)):
+    policy = RetryPolicy()
+
+    def horizon(error: Exception) -> float:
+        total = 0.0
+        for attempt in range(1, DEFAULT_MAX_ATTEMPTS + 1):
             decision = policy.decide(attempt=attempt, max_attempts=DEFAULT_MAX_ATTEMPTS,
                                      error=error)
             if attempt == DEFAULT_MAX_ATTEMPTS:
                 assert decision.next_status == "failed"
             else:
-                assert decision.delay <= 3600
-        if attempt < DEFAULT_MAX_ATTEMPTS:
-            waits.append(policy.decide(attempt=attempt, max_attempts=DEFAULT_MAX_ATTEMPTS,
-                                       error=TransientFailure("HTTP 503")).delay)
-    assert sum(waits) == (2**12 - 1) + 12 * 3600 == 47_295  # 13.1 h
+                total += decision.delay
+        return total
+
+    assert horizon(TransientFailure("HTTP 503")) == (2**12 - 1) + 12 * 3600 == 47_295
+    assert horizon(RetryAfter(10**9)) == 24 * 3600
+
+
+def test_a_retry_after_date_is_measured_against_the_replys_date_not_our_clock() -> None:
+    """F32: an HTTP-date Retry-After is the receiver's clock; so is its `Date`. A reply
+    from 2015 asking for 30 s means 30 s, whatever this host's clock says; without a
+    usable `Date` the host's clock is all there is."""
+    from dispatcher.handlers import _retry_after_seconds
+
+    later, now = "Wed, 21 Oct 2015 07:28:30 GMT", "Wed, 21 Oct 2015 07:28:00 GMT"
+    assert _retry_after_seconds(later, now) == 30.0
+    assert _retry_after_seconds(later, None) == 0.0  # long past by this host's clock
+    assert _retry_after_seconds(later, "not a date") == 0.0
+    assert _retry_after_seconds("12", now) == 12.0
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), True, "3600"])
