@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import time
 import weakref
 from collections.abc import Mapping
@@ -127,12 +128,20 @@ def make_engine(url: str | None = None, *, application_name: str = "outbox",
             connect_args.get("options", target.query.get("options")), idle)
         if options is not None:
             connect_args["options"] = options
-    # The pre-ping is itself a bounded call: a pooled connection that went silent while
-    # it was idle is found out at checkout, within `call_timeout`.
-    kwargs.setdefault("pool_pre_ping", True)
-    engine = create_engine(target, connect_args=connect_args, **kwargs)
+    # The pool checks a connection at checkout only when it may be dead: idle for a
+    # second or more, or the server wrote to it while it sat in the pool (a restart,
+    # pg_terminate_backend: the close is readable at once). A connection in steady use
+    # costs no round trip (SQLAlchemy's pool_pre_ping=True pings every checkout: a
+    # fifth of a one-INSERT transaction's client CPU). pool_pre_ping=False (the
+    # workers, whose statements retry on a dead connection) checks only past the call
+    # timeout. Each ping is a bounded call.
+    explicit = kwargs.pop("pool_pre_ping", None)
+    engine = create_engine(target, connect_args=connect_args,
+                           pool_pre_ping=bool(explicit), **kwargs)
     bound_calls(engine, call_timeout)
-    if not kwargs["pool_pre_ping"] and call_timeout is not None:
+    if explicit is None:
+        ping_when_idle(engine, PING_AFTER)
+    elif not explicit and call_timeout is not None:
         ping_when_idle(engine, call_timeout)
     return engine
 
@@ -171,15 +180,20 @@ def call_timeout_of(engine: Engine) -> float | None:
     return _call_timeouts.get(engine, DEFAULT_CALL_TIMEOUT)
 
 
-def ping_when_idle(engine: Engine, after: float) -> None:
-    """Without `pool_pre_ping`: ping, at checkout, a pooled connection idle for `after`.
+#: A pooled connection idle this long is pinged at checkout (make_engine's default).
+PING_AFTER = 1.0
 
-    Workers turn the pre-ping off (a round trip per statement, and their statements
-    retry on a dead connection anyway), but a pool must not hand out a connection it
-    has not heard from for longer than the bound without checking it. A connection
-    in steady use is never pinged; one idle longer than `after` costs one bounded
-    round trip, and a silent one is replaced (with every older pooled connection)
-    before the caller sees it.
+
+def ping_when_idle(engine: Engine, after: float) -> None:
+    """Ping, at checkout, a pooled connection idle for `after` seconds or that the
+    server wrote to while it was idle.
+
+    A pool must not hand out a connection it has not heard from for long without
+    checking it, nor one the server has closed. A connection in steady use is never
+    pinged; one idle longer than `after`, or readable (at rest a connection hears
+    nothing: what is there is a FATAL and the close of a restart or a terminated
+    backend), costs one bounded round trip, and a dead one is replaced (with every
+    older pooled connection) before the caller sees it.
     """
 
     @event.listens_for(engine, "checkin")
@@ -189,7 +203,8 @@ def ping_when_idle(engine: Engine, after: float) -> None:
     @event.listens_for(engine, "checkout")
     def _checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         since = record.info.pop("outbox_idle_since", None)
-        if since is None or time.monotonic() - since < after:
+        if since is None or (time.monotonic() - since < after
+                             and not _heard_from(dbapi_connection)):
             return
         try:
             engine.dialect.do_ping(dbapi_connection)
@@ -197,3 +212,16 @@ def ping_when_idle(engine: Engine, after: float) -> None:
             raise InvalidatePoolError(f"pooled connection idle for "
                                       f"{time.monotonic() - since:.0f} s failed its ping: "
                                       f"{exc}") from exc
+
+
+def _heard_from(conn: Any) -> bool:
+    """Whether an idle pooled connection is closed, or has something to read."""
+    if not isinstance(conn, psycopg.Connection):
+        return True  # not ours to inspect: ping it
+    if conn.closed or conn.broken:
+        return True
+    try:
+        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return bool(readable)

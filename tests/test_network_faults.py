@@ -35,7 +35,7 @@ from dispatcher.examples.payments.psp import Receiver, ReceiverProcess
 from dispatcher.examples.payments.schema import ensure_schema
 from dispatcher.handlers import EffectContext, HttpHandler
 from dispatcher.worker import listen_for_due
-from outbox._config import NOTIFY_CHANNEL, make_engine
+from outbox._config import NOTIFY_CHANNEL, PING_AFTER, make_engine
 from outbox._connections import idle_in_transaction_timeout
 from outbox._idempotency import Mode
 from outbox.errors import AmbiguousOutcome
@@ -117,12 +117,22 @@ def test_a_call_on_a_silenced_connection_fails_within_the_bound(
 
 def test_a_pooled_connection_silenced_while_idle_is_replaced_at_checkout(
         db_url: str, pg_proxy: TcpProxy) -> None:
-    """The pool's pre-ping is a bounded call: checkout costs at most the bound."""
+    """make_engine's pool pings a connection idle for a second or more, and the ping is
+    a bounded call: checkout costs at most the bound. One in steady use is not pinged."""
     engine = proxied(db_url, pg_proxy, call_timeout=1.0, pool_size=1)
+    pings: list[str] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        pings.append(statement)
+
     try:
-        with engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
+        for _ in range(5):  # steady use: no round trip but the statements
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        assert len(pings) == 5
         pg_proxy.silence_open()  # the pooled connection, idle, goes silent
+        time.sleep(PING_AFTER + 0.1)
         started = time.monotonic()
         with engine.connect() as conn:
             assert conn.execute(text("SELECT 2")).scalar_one() == 2
@@ -130,6 +140,26 @@ def test_a_pooled_connection_silenced_while_idle_is_replaced_at_checkout(
         assert pg_proxy.connections == 2
     finally:
         engine.dispose()
+
+
+def test_a_pooled_connection_the_server_ended_is_replaced_at_once(
+        db_url: str, engine: Engine) -> None:
+    """A backend terminated (or a server restarted) while its connection sat in the
+    pool: the close is readable on the socket, so the next checkout pings it, finds it
+    dead and opens another, however recently it was used. No error reaches the caller."""
+    app = make_engine(db_url, application_name="net-ended", pool_size=1)
+    try:
+        with app.connect() as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with engine.connect() as admin:
+            assert admin.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+        wait_until(lambda: scalar(engine, "SELECT count(*) FROM pg_stat_activity"
+                                          " WHERE pid = :p", p=pid) == 0, 5, interval=0.01,
+                   message="the backend gone")
+        with app.connect() as conn:  # well within PING_AFTER of its last use
+            assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
+    finally:
+        app.dispose()
 
 
 def test_a_silenced_commit_fails_within_the_bound(db_url: str, pg_proxy: TcpProxy,
