@@ -397,7 +397,7 @@ class Executor:
             try:
                 if registration is None:
                     raise TransientFailure(f"no handler registered for kind {row.kind!r}")
-                if row.attempts > 1 and registration.key_retention is not None:
+                if registration.key_retention is not None:
                     _refuse_past_key_retention(row, registration,
                                                self.db_now(row, started_monotonic))
                 result = registration.handler(effect)
@@ -587,25 +587,34 @@ class Executor:
                 future.set_exception(RuntimeError("the dispatcher was shut down"))
 
 
+def _first_contact(row: Claimed) -> datetime:
+    """The earliest the receiver can have seen the row's key: its first claim (set by
+    the claim itself since migration 0011; its creation for a row claimed before)."""
+    return row.first_claimed_at or row.created_at
+
+
 def _retry_until(row: Claimed, registration: Registration | None) -> datetime | None:
     """When retries of `row` end: its own `retry_until`, or sooner if the receiver of its
     kind forgets keys (`Registry.register(..., key_retention=)`)."""
     if registration is None:
         return row.retry_until
-    return registration.retry_until(row.created_at, row.retry_until)
+    return registration.retry_until(_first_contact(row), row.retry_until)
 
 
 def _refuse_past_key_retention(row: Claimed, registration: Registration,
                                now: datetime) -> None:
-    """A retry (or a redelivery after a lost lease) sent once the receiver may have
-    forgotten the key would be a new request to it: if an earlier attempt was applied,
-    the effect would be applied twice. Raise instead, before anything is sent."""
-    horizon = registration.retry_until(row.created_at, None)
+    """An attempt sent once the receiver may have forgotten the key (a retry due late,
+    a lease rescued late, a bulk redrive) would be a new request to it: if an earlier
+    attempt was applied, the effect would be applied twice. Raise instead, before
+    anything is sent. The first claim's own attempt is never refused: its first
+    contact is now."""
+    first = _first_contact(row)
+    horizon = registration.retry_until(first, None)
     if horizon is not None and now >= horizon:
         raise KeyRetentionPassed(
             f"not sent: attempt {row.attempts} would reach the receiver "
-            f"{(now - row.created_at).total_seconds():.0f} s after the effect was created, "
+            f"{(now - first).total_seconds():.0f} s after the effect's first attempt, "
             f"past {KEY_RETENTION_SHARE:.0%} of its key retention "
             f"({registration.key_retention:g} s): it may have forgotten the key and apply "
             "the effect again. An earlier attempt may have been applied: check with the "
-            "receiver before `outbox retry`")
+            "receiver, then `outbox retry` this effect by id to send it anyway")

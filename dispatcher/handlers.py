@@ -70,14 +70,16 @@ class Registration:
     # Seconds the receiver remembers an Idempotency-Key (Stripe: 24 h); None: forever.
     key_retention: float | None = None
 
-    def retry_until(self, created_at: datetime, retry_until: datetime | None
+    def retry_until(self, first_claimed_at: datetime, retry_until: datetime | None
                     ) -> datetime | None:
-        """The effect's `retry_until`, or sooner: a retry must reach the receiver while
-        it still knows the key. Counted from the effect's creation, the earliest the
-        receiver can have seen it, so never late; at most KEY_RETENTION_SHARE of it."""
+        """The effect's `retry_until`, or sooner: an attempt must reach the receiver
+        while it still knows the key. Counted from the effect's first claim, the
+        earliest the receiver can have seen the key, so never late; at most
+        KEY_RETENTION_SHARE of the retention."""
         if self.key_retention is None:
             return retry_until
-        horizon = created_at + timedelta(seconds=KEY_RETENTION_SHARE * self.key_retention)
+        horizon = first_claimed_at + timedelta(
+            seconds=KEY_RETENTION_SHARE * self.key_retention)
         return horizon if retry_until is None else min(horizon, retry_until)
 
 
@@ -93,10 +95,13 @@ class Registry:
 
         `key_retention`: how long the receiver remembers an Idempotency-Key, in seconds
         (Stripe: 86 400). Past it a retry is a new request to the receiver, which would
-        apply the effect again if an earlier attempt was applied. No retry of this kind
-        is scheduled or sent later than 90 % of it after the effect's creation: the
-        effect is dead-lettered instead (`KeyRetentionPassed`), for an operator to check
-        with the receiver before `outbox retry`. A first attempt is always sent.
+        apply the effect again if an earlier attempt was applied. No attempt of this
+        kind is scheduled or sent later than 90 % of it after the effect's first claim
+        (lease rescues and bulk redrives included): a retry that would be is never
+        scheduled (dead letter); one due later is not sent, and the effect is parked
+        for review (`KeyRetentionPassed`), for an operator to check with the receiver
+        before `outbox retry <id>`, which then sends it as a first contact. A first
+        attempt is always sent, however old the effect.
 
         `handler` may be a coroutine function: the dispatcher awaits it on its event
         loop, so a delivery is recorded only once the body has run.

@@ -14,7 +14,7 @@ from tenacity import Future, RetryCallState, Retrying, retry_if_not_exception_ty
 from tenacity import retry_base as RetryBase
 from tenacity.wait import wait_base, wait_random_exponential
 
-from outbox.errors import AmbiguousOutcome, PermanentFailure, RetryAfter
+from outbox.errors import AmbiguousOutcome, KeyRetentionPassed, PermanentFailure, RetryAfter
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,8 @@ class RetryPolicy:
         """Decide for one failed attempt (`attempt` counts from 1)."""
         if isinstance(error, AmbiguousOutcome) and not retry_safe:
             return Decision("ambiguous", "needs_review")
+        if isinstance(error, KeyRetentionPassed):  # nothing sent; an earlier one may
+            return Decision("failed", "needs_review")  # have been applied: a human looks
         recorded = "ambiguous" if isinstance(error, AmbiguousOutcome) else "retry"
         state = self._state(attempt, error)
         if isinstance(error, PermanentFailure) or not self.retry(state):

@@ -141,6 +141,9 @@ effects = Table(
     Column("delivered_started_at", TS),
     Column("delivered_http_status", Integer),
     Column("delivered_trace_id", Text),
+    # The first claim (migration 0011): the earliest the receiver can have seen the
+    # key, from which a kind's key_retention counts (F24). Kept by later claims.
+    Column("first_claimed_at", TS),
     # Unique through outbox.effect_keys (migration 0007), not an index here: the claim
     # and the record would add an entry to it at every update.
     CheckConstraint(_in("status", EffectStatus), name="status"),

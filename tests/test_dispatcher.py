@@ -36,6 +36,7 @@ from outbox.errors import (
     TransientFailure,
 )
 from outbox.sql import dispatch as sql
+from outbox.sql.effects import requeue
 from tests.dispatch_support import (
     add_effects,
     attempts_of,
@@ -641,50 +642,98 @@ def test_f24_a_retry_after_the_receiver_forgot_the_key_applies_twice_without_the
     assert effect_row(engine, "f24-open").status == "delivered"
 
 
+def _retained_registry(psp: Receiver, seconds: float) -> Registry:
+    registry = _http_registry(psp.url)
+    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
+                      key_retention=seconds)
+    return registry
+
+
 def test_f24_no_retry_is_sent_past_the_receivers_key_retention(
         engine: Engine, psp: Receiver) -> None:
     """With the receiver's key retention declared (1 h), the retry due 2 h after the
-    effect's creation is not sent: the effect is dead-lettered with the reason, applied
-    once, and the attempt says so."""
-    registry = _http_registry(psp.url)
-    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
-                      key_retention=3600)
+    first attempt is not sent: the effect is parked for review with the reason, applied
+    once, and the attempt says so. `outbox retry` by id (an operator looked) sends it as
+    a first contact."""
+    registry = _retained_registry(psp, 3600)
     assert _forgetting_receiver_retry(engine, psp, "f24-held", registry) == (1, 1)
     row = effect_row(engine, "f24-held")
-    assert (row.status, row.attempts) == ("failed", 2)
+    assert (row.status, row.attempts) == ("needs_review", 2)
     assert row.last_error.startswith("KeyRetentionPassed: not sent: attempt 2")
     history = attempts_of(engine, row.id)
     assert [(a.attempt, a.outcome, a.http_status) for a in history] == [
         (1, "retry", 500), (2, "failed", None)]
-
-
-def test_f24_no_retry_is_scheduled_past_the_receivers_key_retention(
-        engine: Engine, psp: Receiver) -> None:
-    """A retry whose wait would end past 90 % of the key retention is never scheduled:
-    the failing attempt dead-letters the effect at once; a first attempt is sent
-    however old the effect (the receiver has not seen its key)."""
-    psp.set_mode("fail_500", key="f24-late")
-    registry = Registry()
-    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
-                      key_retention=600)
-    add_effects(engine, ["f24-late", "f24-old"], kind="psp.charge")
-    clock = [db_now(engine) + timedelta(seconds=540)]  # both created 9 minutes ago
-    d = Dispatcher(engine, registry, concurrency=2, policy=RetryPolicy(wait=wait_fixed(1)),
-                   clock=lambda: clock[0])
+    with engine.begin() as conn:
+        assert requeue(conn, [row.id]) == [row.id]
+    d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT)
     try:
         d.drain(budget=10)
     finally:
         d.shutdown(0)
-    late, old = effect_row(engine, "f24-late"), effect_row(engine, "f24-old")
-    assert (late.status, late.attempts) == ("failed", 1)
-    assert late.last_error.startswith("TransientFailure: HTTP 500")
-    assert (old.status, old.attempts) == ("delivered", 1)
+    assert effect_row(engine, "f24-held").status == "delivered"
+    [entry] = psp.ledger("f24-held")["keys"]
+    assert (entry["deliveries"], entry["applied"]) == (2, 2)  # the operator's choice
+
+
+def test_f24_a_bulk_redrive_past_the_key_retention_sends_nothing(
+        engine: Engine, psp: Receiver) -> None:
+    """A dead letter of a kind with a key retention, redriven in bulk (`outbox retry
+    --failed`, the console's redrive) after the retention has passed: its first claim is
+    kept, so the next attempt is refused, not sent blind, and the effect is parked."""
+    psp.set_mode("fail_500", key="f24-dead")
+    registry = _retained_registry(psp, 3600)
+    [eid] = add_effects(engine, ["f24-dead"], kind="psp.charge", max_attempts=1)
+    clock = [db_now(engine) + timedelta(seconds=1)]
+    d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT, clock=lambda: clock[0])
+    try:
+        d.drain(budget=10)
+        assert effect_row(engine, "f24-dead").status == "failed"
+        clock[0] += timedelta(hours=2)
+        with engine.begin() as conn:
+            assert requeue(conn, [], all_failed=True) == [eid]
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    row = effect_row(engine, "f24-dead")
+    assert (row.status, row.attempts) == ("needs_review", 1)
+    assert row.last_error.startswith("KeyRetentionPassed")
+    assert psp.ledger("f24-dead")["keys"][0]["deliveries"] == 1  # the first only
+
+
+def test_f24_no_retry_is_scheduled_past_the_receivers_key_retention(
+        engine: Engine, psp: Receiver) -> None:
+    """A retry whose wait would end past 90 % of the key retention (540 s of 600) is
+    never scheduled: the failing first attempt dead-letters the effect at once, while
+    one whose wait ends before is scheduled. The retention counts from the first claim:
+    an effect enqueued with a long delay keeps its retries."""
+    psp.set_mode("fail_500", key_prefix="f24-")
+    registry = _retained_registry(psp, 600)
+    add_effects(engine, ["f24-late"], kind="psp.charge")
+    add_effects(engine, ["f24-delayed"], kind="psp.charge", delay=3600)
+    clock = [db_now(engine)]
+    late = Dispatcher(engine, registry, concurrency=2,
+                      policy=RetryPolicy(wait=wait_fixed(560)), clock=lambda: clock[0])
+    try:
+        late.drain(budget=10)  # f24-late: a retry 560 s later would pass 540 s
+    finally:
+        late.shutdown(0)
+    clock[0] += timedelta(seconds=3601)  # f24-delayed falls due, an hour after creation
+    soon = Dispatcher(engine, registry, concurrency=2,
+                      policy=RetryPolicy(wait=wait_fixed(60)), clock=lambda: clock[0])
+    try:
+        soon.drain(budget=10)
+    finally:
+        soon.shutdown(0)
+    late_row, delayed = effect_row(engine, "f24-late"), effect_row(engine, "f24-delayed")
+    assert (late_row.status, late_row.attempts) == ("failed", 1)
+    assert late_row.last_error.startswith("TransientFailure: HTTP 500")
+    assert (delayed.status, delayed.attempts) == ("pending", 1)  # retried in 60 s
 
 
 def test_f24_a_lost_lease_redelivered_past_the_key_retention_is_not_sent(
         engine: Engine, psp: Receiver) -> None:
     """A worker died mid-delivery (the receiver may have applied it); its lease is
-    rescued 2 h later, past the receiver's key retention (1 h): not sent, dead-lettered."""
+    rescued 2 h later, past the receiver's key retention (1 h): not sent, parked."""
     registry = Registry()
     registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
                       key_retention=3600)
@@ -698,7 +747,7 @@ def test_f24_a_lost_lease_redelivered_past_the_key_retention_is_not_sent(
     finally:
         d.shutdown(0)
     row = effect_row(engine, "f24-rescued")
-    assert (row.status, row.attempts) == ("failed", 2)
+    assert (row.status, row.attempts) == ("needs_review", 2)
     assert row.last_error.startswith("KeyRetentionPassed")
     assert psp.ledger("f24-rescued")["keys"] == []  # nothing reached the receiver
 

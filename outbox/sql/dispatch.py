@@ -32,7 +32,7 @@ _CLAIMED_COLUMNS = (
     "e.id, e.effect_key, e.kind, e.payload, nullif(e.headers, '{}'::jsonb) AS headers,"
     " e.attempts, e.max_attempts,"
     " e.lease_token, e.lease_expires_at, e.created_at, e.retry_until,"
-    " e.ordering_key, e.queue")
+    " e.ordering_key, e.queue, e.first_claimed_at")
 
 
 class Claimed(NamedTuple):
@@ -57,6 +57,8 @@ class Claimed(NamedTuple):
     retry_until: datetime | None
     ordering_key: str | None
     queue: str
+    # The row's first claim (this one's time if it is the first; migration 0011).
+    first_claimed_at: datetime | None = None
 
 
 # Two MATERIALIZED CTEs: a plain `IN (SELECT ... LIMIT n)` may be re-evaluated and
@@ -117,7 +119,8 @@ _CLAIM = _sql(
            lease_owner = :owner,
            lease_token = CAST(:token AS uuid),
            lease_expires_at = {_NOW} + make_interval(secs => :lease),
-           attempts = e.attempts + 1
+           attempts = e.attempts + 1,
+           first_claimed_at = coalesce(e.first_claimed_at, {_NOW})
       FROM picked
      WHERE e.id = picked.id
     RETURNING {_CLAIMED_COLUMNS}, e.available_at, picked.fresh

@@ -25,6 +25,7 @@ MIGRATIONS: tuple[tuple[str, str], ...] = (
     ("0005_set_based_cascade", "0008"),
     ("0006_lock_and_read_key", "0009"),
     ("0007_watched_doorbell", "0010"),
+    ("0008_first_claimed_at", "0011"),
 )
 
 
