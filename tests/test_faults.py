@@ -282,7 +282,7 @@ def test_f07_api_killed_after_commit_before_answering_is_replayed_by_another(
                                         "--port", str(port)], env)
         bases = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
         for base in bases.values():
-            wait_until(lambda: _api_up(base), 60, interval=0.2,  # noqa: B023 (called now)
+            wait_until(lambda: api_up(base), 60, interval=0.2,  # noqa: B023 (called now)
                        message="the API to listen")
         doomed = group.started[0]
         key, body = f"f07-crash-{uuid.uuid4().hex[:8]}", {**PAYMENT, "amount": 777}
@@ -699,7 +699,7 @@ def test_f26_postgres_crash_and_restart_under_api_load(
     base = f"http://127.0.0.1:{api_port}"
     try:
         wait_connected(db, names)
-        wait_until(lambda: _api_up(base), 60, interval=0.2, message="the API to listen")
+        wait_until(lambda: api_up(base), 60, interval=0.2, message="the API to listen")
         pids = {p.name: p.pid for p in workers.started}
         with ApiClients(base, 6, "f26-api") as clients:
             wait_until(lambda: len(clients.done) >= 30, 60, interval=0.1,
@@ -757,7 +757,8 @@ def test_f26_postgres_crash_and_restart_under_api_load(
           f"{stats['deliveries']}, receiver replays {stats['replayed']}); 0 restarts")
 
 
-def _api_up(base: str) -> bool:
+def api_up(base: str) -> bool:
+    """Whether an example API process answers (its OpenAPI document)."""
     try:
         return httpx.get(f"{base}/openapi.json", timeout=2).status_code == 200
     except httpx.HTTPError:

@@ -58,7 +58,7 @@ from tests.test_dispatcher_processes import (
     redis_broker,  # noqa: F401  (fixture: Redis db 13, ours alone; skipped without Redis)
     ring,
 )
-from tests.test_faults import free_port, pg_upstream, scalar, via_proxy
+from tests.test_faults import api_up, free_port, pg_upstream, scalar, via_proxy
 
 with warnings.catch_warnings():  # as in test_http: starlette would rather have httpx2
     warnings.simplefilter("ignore")
@@ -772,7 +772,7 @@ def test_every_leg_silenced_at_once_under_api_load(
         wait_ready(procs.started[1], engine, "net-all-w")
         wait_ready(celery, engine, None)
         base = f"http://127.0.0.1:{api_port}"
-        wait_until(lambda: _up(base), 60, interval=0.2, message="the API to listen")
+        wait_until(lambda: api_up(base), 60, interval=0.2, message="the API to listen")
         with ApiClients(base, 6, "net-all") as clients:
             wait_until(lambda: len(clients.done) >= 30, 60, interval=0.2,
                        message="payments under load")
@@ -817,9 +817,3 @@ def test_every_leg_silenced_at_once_under_api_load(
           f"(deliveries {stats['deliveries']}), attempts {outcome_counts(engine)}; "
           f"{timeline}; 0 restarts")
 
-
-def _up(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/openapi.json", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
