@@ -266,7 +266,11 @@ def test_a_deadlock_at_the_batch_endpoint_is_retried_once_server_side(
         ingest_many(conn, [IncomingEvent("s", "x", {"type": "t", "data": {}}),
                            IncomingEvent("s", "y", {"type": "t", "data": {}})])
     caplog.set_level(logging.INFO, logger="dispatcher.examples.payments.app")
-    app = create_app(app_engine_factory(deadlock_timeout="100ms"))
+    # PostgreSQL looks for a deadlock once, deadlock_timeout after a wait began: the
+    # request must still be before that look when `other` closes the cycle. 100 ms lost
+    # that race once on a loaded 2-core box (the request's look came first and found no
+    # cycle; `other`'s own look, at 60 s, came after the call timeout).
+    app = create_app(app_engine_factory(deadlock_timeout="2s"))
     answers: list[httpx.Response] = []
     lock_row = text("SELECT 1 FROM outbox.inbox WHERE source = 's' AND event_id = :k"
                     " FOR UPDATE")
