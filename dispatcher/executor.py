@@ -588,8 +588,8 @@ class Executor:
 
 
 def _first_contact(row: Claimed) -> datetime:
-    """The earliest the receiver can have seen the row's key: its first claim (set by
-    the claim itself since migration 0011; its creation for a row claimed before)."""
+    """The earliest the receiver can have seen the row's key: its first claim (every
+    claim returns it, since migration 0011; its creation for a `Claimed` made by hand)."""
     return row.first_claimed_at or row.created_at
 
 

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -101,7 +101,7 @@ class Registry:
         scheduled (dead letter); one due later is not sent, and the effect is parked
         for review (`KeyRetentionPassed`), for an operator to check with the receiver
         before `outbox retry <id>`, which then sends it as a first contact. A first
-        attempt is always sent, however old the effect.
+        attempt is sent however old the effect: the retention counts from its claim.
 
         `handler` may be a coroutine function: the dispatcher awaits it on its event
         loop, so a delivery is recorded only once the body has run.
@@ -144,8 +144,12 @@ def _retry_after_seconds(value: str | None, date: str | None = None) -> float | 
             reference = parsedate_to_datetime(date)
         except (TypeError, ValueError):
             reference = None
-    if reference is None or (reference.tzinfo is None) != (when.tzinfo is None):
-        reference = datetime.now(when.tzinfo)
+    # An HTTP-date is GMT; a form parsed without a zone (asctime) is taken as UTC too.
+    when = when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+    if reference is None:
+        reference = datetime.now(UTC)
+    elif reference.tzinfo is None:
+        reference = reference.replace(tzinfo=UTC)
     return max(0.0, (when - reference).total_seconds())
 
 

@@ -158,7 +158,7 @@ class QueueGauges:
         m.create_observable_gauge(
             "outbox.queue.effects", callbacks=[self._observe_effects], unit="{effect}",
             description="Effects by status: pending, in_flight, failed (dead letters), "
-            "needs_review (parked ambiguous outcomes)")
+            "needs_review (parked: ambiguous outcomes, or past the receiver's key retention)")
         m.create_observable_gauge(
             "outbox.queue.due", callbacks=[self._observe_due], unit="{effect}",
             description="Pending effects whose available_at has passed")

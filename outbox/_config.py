@@ -221,7 +221,12 @@ def _heard_from(conn: Any) -> bool:
     if conn.closed or conn.broken:
         return True
     try:
-        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+        fd = conn.pgconn.socket
+        if hasattr(select, "poll"):  # select() refuses descriptors past FD_SETSIZE
+            poller = select.poll()
+            poller.register(fd, select.POLLIN | select.POLLPRI)
+            return bool(poller.poll(0))
+        readable, _, _ = select.select([fd], [], [], 0)
     except (OSError, ValueError, psycopg.Error):
         return True
     return bool(readable)

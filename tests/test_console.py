@@ -380,6 +380,19 @@ def test_derivation_matches_claim_effect_key() -> None:
 # -- actions -------------------------------------------------------------------------------
 
 
+def test_the_retry_confirmation_says_why_a_parked_effect_was_parked(
+        db: Engine, client: TestClient) -> None:
+    """Parked past its receiver's key retention (nothing sent) is not parked ambiguous:
+    the confirmation says which, since the advice differs."""
+    past = add(db, "needs_review", attempts=2,
+               last_error="KeyRetentionPassed: not sent: attempt 2 would reach ...")
+    ambiguous = add(db, "needs_review", attempts=1, last_error="AmbiguousOutcome: timeout")
+    page = client.get(f"/effects/{past}/retry").text
+    assert "may have forgotten the effect key" in page and "retry-safe" not in page
+    page = client.get(f"/effects/{ambiguous}/retry").text
+    assert "not declared retry-safe" in page and "forgotten" not in page
+
+
 def test_retry_of_a_failed_effect_makes_it_pending_and_is_audited(db: Engine,
                                                                  client: TestClient) -> None:
     effect = add(db, "failed", attempts=25, last_error="HTTP 400")

@@ -700,6 +700,45 @@ def test_f24_a_bulk_redrive_past_the_key_retention_sends_nothing(
     assert psp.ledger("f24-dead")["keys"][0]["deliveries"] == 1  # the first only
 
 
+def test_f24_a_dead_letter_retried_by_id_keeps_its_first_claim(
+        engine: Engine, psp: Receiver) -> None:
+    """A dead letter (here: its one allowed attempt failed) retried by id 2 h later keeps
+    its first claim: only an effect parked because its retention had passed is sent as
+    a first contact by `outbox retry <id>`; this one is refused and parked, unsent."""
+    psp.set_mode("fail_500", key="f24-by-id")
+    registry = _retained_registry(psp, 3600)
+    [eid] = add_effects(engine, ["f24-by-id"], kind="psp.charge", max_attempts=1)
+    clock = [db_now(engine) + timedelta(seconds=1)]
+    d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT, clock=lambda: clock[0])
+    try:
+        d.drain(budget=10)
+        assert effect_row(engine, "f24-by-id").status == "failed"
+        clock[0] += timedelta(hours=2)
+        with engine.begin() as conn:
+            assert requeue(conn, [eid]) == [eid]
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    row = effect_row(engine, "f24-by-id")
+    assert (row.status, row.attempts) == ("needs_review", 1)
+    assert row.last_error.startswith("KeyRetentionPassed")
+    assert psp.ledger("f24-by-id")["keys"][0]["deliveries"] == 1
+
+
+def test_a_row_attempted_without_a_first_claim_counts_from_its_creation(
+        engine: Engine) -> None:
+    """A row a worker of the previous release attempted (no first_claimed_at) gets its
+    creation at its next claim, never that claim's time; a fresh row gets the claim's."""
+    [tried, fresh] = add_effects(engine, ["attempted-before", "fresh"])
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox.effects SET attempts = 1 WHERE id = :i"),
+                     {"i": tried})
+    later = db_now(engine) + timedelta(minutes=5)
+    rows = {r.id: r for r in claim(engine, owner="w", now=later)}
+    assert rows[tried].first_claimed_at == rows[tried].created_at
+    assert rows[fresh].first_claimed_at == later
+
+
 def test_f24_no_retry_is_scheduled_past_the_receivers_key_retention(
         engine: Engine, psp: Receiver) -> None:
     """A retry whose wait would end past 90 % of the key retention (540 s of 600) is

@@ -5,16 +5,19 @@ Idempotency-Key (Stripe: 24 h). No attempt of such an effect is sent later than 
 of that after its first claim (dispatcher/executor.py, F24): past it, the receiver
 may have forgotten the key and would apply the effect again.
 
-`first_claimed_at` is set by the claim that first takes the row (`coalesce`, the
-database's clock) and kept by every later claim, lease rescue and bulk redrive; an
-`outbox retry` by id (after an operator looked) clears it, so the next attempt counts
-as a first contact. Counting from the first claim rather than `created_at` keeps a
-delayed or backlogged effect's retries. No index: the claim's UPDATE is not HOT
-anyway, and nothing looks rows up by it.
+`first_claimed_at` is set by the claim that first takes the row (the database's
+clock) and kept by every later claim, lease rescue, bulk redrive and retry; only
+`outbox retry <id>` of an effect parked because the retention had passed clears it,
+so its next attempt counts as a first contact. Counting from the first claim rather
+than `created_at` keeps a delayed or backlogged effect's retries. No index: the
+claim's UPDATE is not HOT anyway, and nothing looks rows up by it.
 
-Rows already attempted get `created_at` (earlier than any real first contact: never
-late), pending, in flight, dead-lettered or parked ones only: delivered and cancelled
-rows are never claimed again. Nullable, no default: adding it rewrites nothing.
+A row attempted without it (before this revision, or by a worker of the previous
+release during a rolling deploy) gets `created_at` at its next claim: earlier than any
+real first contact, so never late. Dead letters and parked rows get it here, through
+the console's partial index (they are few; pending and in-flight rows are left to
+their next claim): a bulk redrive resets their attempts. Nullable, no default: adding
+it rewrites nothing.
 
 Deploy order: migrate before deploying code that claims with it.
 
@@ -36,8 +39,7 @@ depends_on = None
 def upgrade() -> None:
     op.execute("ALTER TABLE outbox.effects ADD COLUMN first_claimed_at timestamptz")
     op.execute("UPDATE outbox.effects SET first_claimed_at = created_at"
-               " WHERE attempts > 0"
-               " AND status IN ('pending', 'in_flight', 'failed', 'needs_review')")
+               " WHERE status IN ('failed', 'needs_review') AND attempts > 0")
 
 
 def downgrade() -> None:

@@ -550,7 +550,13 @@ def confirm_effect_action(console: Console, request: Request, row: Any, action: 
             url(request, "effect", effect_id=str(row.id)), row.id, row.kind,
             row.status.replace("_", " "), row.max_attempts)
         warn = Markup("")
-        if row.status == "needs_review":
+        if row.status == "needs_review" and (row.last_error or "").startswith(
+                "KeyRetentionPassed"):
+            warn = Markup("<p class='error'>It was not sent: its receiver may have"
+                          " forgotten the effect key, and an earlier attempt may have been"
+                          " applied. Retry only if you checked with the receiver that it"
+                          " was not: the retry is sent as a new request.</p>")
+        elif row.status == "needs_review":
             warn = Markup("<p class='error'>Its last attempt's outcome is unknown and the"
                           " handler is not declared retry-safe: retry only if the receiver"
                           " deduplicates on the effect key or you checked it was not"

@@ -120,7 +120,9 @@ _CLAIM = _sql(
            lease_token = CAST(:token AS uuid),
            lease_expires_at = {_NOW} + make_interval(secs => :lease),
            attempts = e.attempts + 1,
-           first_claimed_at = coalesce(e.first_claimed_at, {_NOW})
+           first_claimed_at = coalesce(
+               e.first_claimed_at,
+               CASE WHEN e.attempts > 0 THEN e.created_at ELSE {_NOW} END)
       FROM picked
      WHERE e.id = picked.id
     RETURNING {_CLAIMED_COLUMNS}, e.available_at, picked.fresh

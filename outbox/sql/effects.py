@@ -254,8 +254,9 @@ _REQUEUE = text(
     UPDATE outbox.effects
        SET status = 'pending', available_at = {_NOW}, attempts = 0,
            finished_at = NULL, last_error = NULL,
-           first_claimed_at = CASE WHEN CAST(:all_failed AS boolean)
-                                   THEN first_claimed_at END
+           first_claimed_at = CASE WHEN status = 'needs_review'
+                                        AND last_error LIKE 'KeyRetentionPassed:%'
+                                   THEN NULL ELSE first_claimed_at END
      WHERE status IN ('failed', 'needs_review', 'cancelled')
        AND (id = ANY(CAST(:ids AS bigint[])) OR CAST(:all_failed AS boolean))
        AND (NOT CAST(:all_failed AS boolean) OR status = 'failed')
@@ -268,9 +269,9 @@ def requeue(conn: Connection, ids: Sequence[int], all_failed: bool = False,
             now: datetime | None = None) -> list[int]:
     """Give dead-lettered, parked or cancelled effects a fresh set of attempts.
 
-    By ids (an operator looked at each) the next attempt also counts as a first contact
-    for its receiver's key retention (`first_claimed_at` cleared); every failed one
-    (`all_failed`) keeps its first claim, as the bulk redrive does."""
+    Each keeps its first claim, from which its receiver's key retention counts, but an
+    effect parked because that retention had passed (`KeyRetentionPassed`): retried by
+    id, after the check the runbook asks for, its next attempt is a first contact."""
     params = {"ids": list(ids), "all_failed": all_failed, "now": now}
     return [r.id for r in conn.execute(_REQUEUE, params)]
 
