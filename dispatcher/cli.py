@@ -114,6 +114,7 @@ def status_snapshot(engine: Engine) -> dict[str, Any]:
         key_counts = kx.count_keys().run(conn)  # each claim carries its TTL
         horizon = hx.xmin_horizon().run(conn)
         watching = wx.watchers().run(conn)
+        stuck = wx.stuck_slots().run(conn)
     out: dict[str, Any] = {s: counts.get(s, 0) for s in STATUSES}
     out.update(health)
     out["idempotency_keys"] = key_counts
@@ -126,6 +127,8 @@ def status_snapshot(engine: Engine) -> dict[str, Any]:
     # Workers keeping watch (dispatcher/watch.py): their queues' enqueues skip the NOTIFY.
     out["watchers"] = [{"queue": w.label, "pid": w.pid, "slot": w.slot,
                         "application_name": w.application_name} for w in watching]
+    out["watch_slots_stuck"] = [{"pid": x.pid, "slot": x.slot, "queue": f"#{x.queue_hash}",
+                                 "application_name": x.application_name} for x in stuck]
     return out
 
 
@@ -163,6 +166,12 @@ def _horizon_warnings(snap: dict[str, Any], database: str | None) -> list[str]:
         elif h["seconds"] is None and h["xid_age"] >= 1_000_000:
             out.append(f"a {kind.replace('_', ' ')} holds the xmin horizon "
                        f"{h['xid_age']} transactions back")
+    for x in snap["watch_slots_stuck"]:
+        out.append(f"session {x['pid']} ({x['application_name'] or 'no name'}) holds watch "
+                   f"slot {x['slot']} of queue {x['queue']} while idle (an enqueue cancelled "
+                   "mid-ring left it): that queue's watchers have one slot fewer until the "
+                   f"session ends (SELECT pg_terminate_backend({x['pid']}), or let the "
+                   "pool recycle it)")
     if snap["idle_in_transaction_session_timeout"] in ("0", "0ms"):
         out.append("idle_in_transaction_session_timeout is 0 for other clients of this "
                    "database: a session left idle in a transaction holds the xmin horizon "

@@ -463,3 +463,31 @@ def test_status_and_the_gauge_name_the_queues_kept_under_watch(
     wait_until(lambda: status()[0]["watchers"] == [], 5, interval=0.05,
                message="no watcher left")
     assert gauge() == {queue: 0, f"#{hashed}": 0}
+
+
+def test_status_warns_of_a_slot_a_cancelled_ring_left_held(
+        engine: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+    """A cancel between `outbox.ring`'s shared try-lock of a slot and its unlock leaves
+    the (pooled) session holding the slot shared: no watcher of that queue can take it.
+    `outbox status` names the session while it sits idle, and stops once it ends."""
+    from dispatcher.cli import main
+
+    holder = connect(_psycopg_dsn(engine), autocommit=True, application_name="app-pool")
+    try:
+        holder.execute("SELECT pg_advisory_lock_shared(%s, hashtext('q-stuck'))",
+                       (watch_sql.SLOTS[2],))
+        assert main(["status", "--json"]) == 0
+        out = capsys.readouterr()
+        [stuck] = json.loads(out.out)["watch_slots_stuck"]
+        assert (stuck["pid"], stuck["slot"]) == (holder.info.backend_pid, 2)
+        assert f"session {stuck['pid']} (app-pool) holds watch slot 2" in out.err
+        assert json.loads(out.out)["watchers"] == []  # shared: not a watcher
+    finally:
+        holder.close()
+    wait_until(lambda: not _stuck_listed(engine), 5, interval=0.05,
+               message="the ended session's slot released")
+
+
+def _stuck_listed(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(watch_sql.stuck_slots().run(conn))

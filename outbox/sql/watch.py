@@ -83,6 +83,46 @@ class Watcher:
         return self.queue if self.queue is not None else f"#{self.queue_hash}"
 
 
+# A session that holds a slot *shared* while idle: `outbox.ring` takes a slot shared for
+# an instant and gives it back in the same call; a cancel (statement_timeout,
+# pg_cancel_backend) landing between the two leaves it held by the session, which may
+# be a pooled connection that lives for days. A watcher can then never take that slot.
+_STUCK_SLOTS = _sql(
+    f"""
+    SELECT l.pid, CAST(l.classid AS int8) - {SLOTS[0]} AS slot,
+           CAST(l.objid AS int8) AS queue_hash, a.application_name
+      FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+     WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+       AND l.mode = 'ShareLock' AND a.state = 'idle'
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND l.classid BETWEEN CAST({SLOTS[0]} AS oid) AND CAST({SLOTS[-1]} AS oid)
+     ORDER BY l.pid, slot
+    """,
+    tuples=True,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StuckSlot:
+    """An idle session holding a watch slot shared: a watcher of that queue has one
+    slot fewer until the session ends."""
+
+    pid: int
+    slot: int
+    queue_hash: int
+    application_name: str | None
+
+
+def stuck_slots() -> Query[list[StuckSlot]]:
+    """Sessions left holding a watch slot shared by a cancelled `outbox.ring`."""
+    return Query(_STUCK_SLOTS, {}, _stuck)
+
+
+def _stuck(result: Result) -> list[StuckSlot]:
+    return [StuckSlot(int(pid), int(slot), int(queue_hash), name)
+            for pid, slot, queue_hash, name in result]
+
+
 def application_name(base: str, queue: str) -> str:
     """The application_name of a watch session: names the queue it silences."""
     return f"{base}{_WATCH_NAME}{queue}"
