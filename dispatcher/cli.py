@@ -154,9 +154,10 @@ def _others_idle_timeout(engine: Engine) -> str | None:
     return value
 
 
-def _horizon_warnings(snap: dict[str, Any], database: str | None) -> list[str]:
-    """What `outbox status` tells an operator about the xmin horizon (docs/observability.md,
-    "A held xmin horizon")."""
+def _status_warnings(snap: dict[str, Any], database: str | None) -> list[str]:
+    """What `outbox status` warns an operator of: the xmin horizon (docs/observability.md,
+    "A held xmin horizon") and a watch slot a cancelled enqueue left held (ops/runbook.md,
+    "Workers keeping watch")."""
     out = []
     for kind, h in snap["xmin_horizon"].items():
         if h["seconds"] is not None and h["seconds"] >= HORIZON_WARN_SECONDS:
@@ -230,7 +231,7 @@ def _status_of(engine: Engine, name: str | None = None) -> dict[str, Any]:
         print(f"outbox: warning: {prefix}the schema is at {current}, the code expects "
               f"{head}: run `outbox migrate`", file=sys.stderr)
     snap = status_snapshot(engine)
-    for warning in _horizon_warnings(snap, engine.url.database):
+    for warning in _status_warnings(snap, engine.url.database):
         print(f"outbox: warning: {prefix}{warning}", file=sys.stderr)
     return snap
 

@@ -238,6 +238,7 @@ class Executor:
         self.policy = policy
         self.clock = clock
         self.lease = lease
+        self._lease = timedelta(seconds=lease)  # what db_now takes off a lease's end
         self.queue = queue
         # The event loop of async handlers: started on the first awaitable a handler
         # returns (see await_result), stopped by stop().
@@ -354,7 +355,7 @@ class Executor:
         injected = self.clock()
         if injected is not None:
             return injected
-        claimed = row.lease_expires_at - timedelta(seconds=self.lease)
+        claimed = row.lease_expires_at - self._lease
         if started_monotonic is None:
             return claimed
         return claimed + timedelta(seconds=max(0.0, time.monotonic() - started_monotonic))
@@ -398,8 +399,7 @@ class Executor:
                 if registration is None:
                     raise TransientFailure(f"no handler registered for kind {row.kind!r}")
                 if registration.key_retention is not None:
-                    _refuse_past_key_retention(row, registration,
-                                               self.db_now(row, started_monotonic))
+                    _refuse_past_key_retention(row, registration, started_at)
                 result = registration.handler(effect)
                 if inspect.isawaitable(result):  # never record a coroutine as delivered
                     result = yield result, effect.deadline

@@ -253,17 +253,6 @@ class QueueGauges:
             source.cached, source.failed_at = snap, None
             return snap
 
-    def _watched(self) -> list[tuple[QueueSnapshot, _Source]]:
-        """(snapshot, source) of every database read, each source's `watched` updated."""
-        out = []
-        for source in self._sources:
-            snap = self._snapshot(source)
-            if snap is not None:
-                with source.lock:
-                    source.watched.update(snap.watchers)
-                out.append((snap, source))
-        return out
-
     def _each(self) -> list[tuple[QueueSnapshot, dict[str, str]]]:
         """(snapshot, labels) of every database that could be read."""
         out = []
@@ -320,8 +309,12 @@ class QueueGauges:
 
     def _observe_watchers(self, options: CallbackOptions) -> Iterable[Observation]:
         out: list[Observation] = []
-        for snap, source in self._watched():
-            with source.lock:
+        for source in self._sources:
+            snap = self._snapshot(source)
+            if snap is None:
+                continue
+            with source.lock:  # every queue seen watched here, 0 once its watch ended
+                source.watched.update(snap.watchers)
                 queues = sorted(source.watched)
             out.extend(Observation(snap.watchers.get(queue, 0),
                                    {"queue": queue, **source.labels}) for queue in queues)

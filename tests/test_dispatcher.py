@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError
 from tenacity import retry_if_exception_type, wait_fixed
 
@@ -675,26 +675,35 @@ def test_f24_no_retry_is_sent_past_the_receivers_key_retention(
     assert (entry["deliveries"], entry["applied"]) == (2, 2)  # the operator's choice
 
 
+def _dead_letter_requeued_2h_later(engine: Engine, psp: Receiver, key: str,
+                                   requeue_it: Callable[[Connection, int], list[int]]
+                                   ) -> Any:
+    """A psp.charge whose one allowed attempt failed (its receiver keeps keys 1 h),
+    requeued by `requeue_it` 2 h later and drained again: its row."""
+    psp.set_mode("fail_500", key=key)
+    [eid] = add_effects(engine, [key], kind="psp.charge", max_attempts=1)
+    clock = [db_now(engine) + timedelta(seconds=1)]
+    d = Dispatcher(engine, _retained_registry(psp, 3600), concurrency=1, policy=NO_WAIT,
+                   clock=lambda: clock[0])
+    try:
+        d.drain(budget=10)
+        assert effect_row(engine, key).status == "failed"
+        clock[0] += timedelta(hours=2)
+        with engine.begin() as conn:
+            assert requeue_it(conn, eid) == [eid]
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    return effect_row(engine, key)
+
+
 def test_f24_a_bulk_redrive_past_the_key_retention_sends_nothing(
         engine: Engine, psp: Receiver) -> None:
     """A dead letter of a kind with a key retention, redriven in bulk (`outbox retry
     --failed`, the console's redrive) after the retention has passed: its first claim is
     kept, so the next attempt is refused, not sent blind, and the effect is parked."""
-    psp.set_mode("fail_500", key="f24-dead")
-    registry = _retained_registry(psp, 3600)
-    [eid] = add_effects(engine, ["f24-dead"], kind="psp.charge", max_attempts=1)
-    clock = [db_now(engine) + timedelta(seconds=1)]
-    d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT, clock=lambda: clock[0])
-    try:
-        d.drain(budget=10)
-        assert effect_row(engine, "f24-dead").status == "failed"
-        clock[0] += timedelta(hours=2)
-        with engine.begin() as conn:
-            assert requeue(conn, [], all_failed=True) == [eid]
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
-    row = effect_row(engine, "f24-dead")
+    row = _dead_letter_requeued_2h_later(
+        engine, psp, "f24-dead", lambda conn, eid: requeue(conn, [], all_failed=True))
     assert (row.status, row.attempts) == ("needs_review", 1)
     assert row.last_error.startswith("KeyRetentionPassed")
     assert psp.ledger("f24-dead")["keys"][0]["deliveries"] == 1  # the first only
@@ -705,21 +714,8 @@ def test_f24_a_dead_letter_retried_by_id_keeps_its_first_claim(
     """A dead letter (here: its one allowed attempt failed) retried by id 2 h later keeps
     its first claim: only an effect parked because its retention had passed is sent as
     a first contact by `outbox retry <id>`; this one is refused and parked, unsent."""
-    psp.set_mode("fail_500", key="f24-by-id")
-    registry = _retained_registry(psp, 3600)
-    [eid] = add_effects(engine, ["f24-by-id"], kind="psp.charge", max_attempts=1)
-    clock = [db_now(engine) + timedelta(seconds=1)]
-    d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT, clock=lambda: clock[0])
-    try:
-        d.drain(budget=10)
-        assert effect_row(engine, "f24-by-id").status == "failed"
-        clock[0] += timedelta(hours=2)
-        with engine.begin() as conn:
-            assert requeue(conn, [eid]) == [eid]
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
-    row = effect_row(engine, "f24-by-id")
+    row = _dead_letter_requeued_2h_later(
+        engine, psp, "f24-by-id", lambda conn, eid: requeue(conn, [eid]))
     assert (row.status, row.attempts) == ("needs_review", 1)
     assert row.last_error.startswith("KeyRetentionPassed")
     assert psp.ledger("f24-by-id")["keys"][0]["deliveries"] == 1

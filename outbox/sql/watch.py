@@ -46,6 +46,13 @@ _ENQUEUERS = _sql(
 # one cut at 63 bytes, or with non-ASCII replaced by the server, gives no queue.
 _WATCH_NAME = "-watch:"
 
+# The granted advisory locks on the watch slots in this database (`l`), by the mode the
+# caller adds: ExclusiveLock is a watcher, ShareLock what `outbox.ring` takes.
+_SLOT_LOCKS = f"""
+       l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND l.classid BETWEEN CAST({SLOTS[0]} AS oid) AND CAST({SLOTS[-1]} AS oid)"""
+
 _WATCHERS = _sql(
     f"""
     SELECT l.pid, CAST(l.classid AS int8) - {SLOTS[0]} AS slot,
@@ -55,10 +62,7 @@ _WATCHERS = _sql(
                       + 4294967296) % 4294967296 = CAST(l.objid AS int8)
                 THEN substring(a.application_name FROM '{_WATCH_NAME}(.*)$') END AS queue
       FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
-     WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-       AND l.mode = 'ExclusiveLock'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-       AND l.classid BETWEEN CAST({SLOTS[0]} AS oid) AND CAST({SLOTS[-1]} AS oid)
+     WHERE {_SLOT_LOCKS} AND l.mode = 'ExclusiveLock'
      ORDER BY queue, slot, l.pid
     """,
     tuples=True,
@@ -92,10 +96,7 @@ _STUCK_SLOTS = _sql(
     SELECT l.pid, CAST(l.classid AS int8) - {SLOTS[0]} AS slot,
            CAST(l.objid AS int8) AS queue_hash, a.application_name
       FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-     WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-       AND l.mode = 'ShareLock' AND a.state = 'idle'
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-       AND l.classid BETWEEN CAST({SLOTS[0]} AS oid) AND CAST({SLOTS[-1]} AS oid)
+     WHERE {_SLOT_LOCKS} AND l.mode = 'ShareLock' AND a.state = 'idle'
      ORDER BY l.pid, slot
     """,
     tuples=True,
