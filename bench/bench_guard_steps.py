@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """A guarded request's cost, step by step, client and server: prints ONE JSON line.
 
-    uv run python bench/bench_guard_steps.py [--requests 1000] [--blocks 5]
+    uv run python bench/bench_guard_steps.py [--requests 1000] [--blocks 5] [--pre-ping]
 
 One thread, one request at a time, on a make_engine() Engine, so nothing is measured
 but the work itself. Each step adds one part of the guarded request (atomic mode, two
 effects deferred to the key's write) to the one before, written out by hand with the
 guard's own statements; `guarded` is `guard.run` itself:
 
-    bare        BEGIN; INSERT one order row; COMMIT (engine.begin(): pool pre-ping too)
+    bare        BEGIN; INSERT one order row; COMMIT (engine.begin(); with --pre-ping, a
+                ping at its checkout too)
     lock_read   + the key's advisory lock and read (sql.keys.lock_and_read_key)
     key_write   + the completed key's write (sql.keys.insert_completed_key)
     effects     + two effects deferred to that write (Claim.enqueue_many, write_deferred)
@@ -63,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--pre-ping", action="store_true",
+                        help="SQLAlchemy's ping at every checkout (pool_pre_ping=True), "
+                        "as make_engine did before session 10, instead of its default")
     args = parser.parse_args(argv)
 
     from sqlalchemy import text
@@ -76,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from outbox.sql import keys as sql_keys
 
     upgrade(database_url())
-    engine = make_engine()
+    engine = make_engine(pool_pre_ping=True) if args.pre_ping else make_engine()
     run_id = uuid.uuid4().hex[:8]
     table, scope = f"bench_steps_{run_id}", f"bench-steps:{run_id}"
     with engine.begin() as conn:
@@ -152,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          {"s": scope})
         engine.dispose()
     report: dict[str, Any] = {"bench": "guard_steps", "requests_per_block": args.requests,
-                              "blocks": args.blocks, "steps": {}}
+                              "blocks": args.blocks, "pre_ping": args.pre_ping, "steps": {}}
     before: tuple[float, float] | None = None
     for name in steps:
         c, s = statistics.median(client[name]), statistics.median(server[name])
