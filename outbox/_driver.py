@@ -23,17 +23,42 @@ re-raised as SQLAlchemy's `DBAPIError` subclass, so SQLAlchemy callers catch wha
 always caught (and a broken connection is invalidated for the pool).
 
 Statements are written with `:name` parameters (as before) and converted once, at
-import, to psycopg's `%(name)s` style.
+import, to psycopg's `%(name)s` style and to libpq's `$n` style.
+
+A statement that opens a transaction, or runs in autocommit, runs *under* psycopg's
+cursor (`_direct`): its parameters dumped and its rows loaded by psycopg's own
+`Transformer` (the connection's adapters), sent with libpq's calls and waited for
+through `Connection.wait` (so a `BoundedConnection`'s call timeout bounds it), as our
+own server-side prepared statement, prepared in the same round trip as its first run,
+and with the transaction's BEGIN (as psycopg would send it) in that round trip too
+(libpq pipeline mode). A psycopg cursor costs ~40 µs of client CPU per statement more,
+and the BEGIN a round trip of its own (issue 11).
+
+Why only there: psycopg sends DEALLOCATE ALL when it sees a ROLLBACK (a savepoint's
+too), DROP or ALTER go through a cursor, and our prepared statements go with its own.
+Where our statement opens the transaction or runs alone, "prepared statement does not
+exist" has cost nothing: it is prepared again and run at once. Inside a transaction
+the caller's work would be lost with it, so a statement there goes through a psycopg
+cursor, prepared by psycopg's own cache. Anything unusual (a closed connection, a
+psycopg pipeline open) takes the cursor too; `prepare_threshold=None` (a transaction
+pooler) runs ours unnamed.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections import namedtuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import psycopg
+from psycopg import generators
+from psycopg.abc import PQGen
+from psycopg.adapt import AdaptersMap, PyFormat, Transformer
 from psycopg.rows import namedtuple_row, tuple_row
 from psycopg.types.json import JsonbLoader, JsonLoader
 
@@ -53,6 +78,9 @@ class Statement:
 
     sql: str
     tuples: bool = False
+    #: The same statement in libpq's style (`$1`, ...), and the parameter behind each `$n`.
+    dollar: bytes = b""
+    names: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.sql
@@ -60,7 +88,15 @@ class Statement:
 
 def sql(text: str, *, tuples: bool = False) -> Statement:
     """`:name` parameters -> `%(name)s`; literal `%` doubled; `::type` casts kept."""
-    return Statement(_PARAM.sub(r"%(\1)s", text.replace("%", "%%")), tuples)
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+    dollar = _PARAM.sub(number, text)
+    return Statement(_PARAM.sub(r"%(\1)s", text.replace("%", "%%")), tuples,
+                     dollar.encode(), tuple(names))
 
 
 class Result:
@@ -94,13 +130,17 @@ class Query(Generic[T]):
     statement: Statement
     params: Mapping[str, Any]
     parse: Callable[[Result], T]
+    #: Commit the transaction right after the statement, in its round trip where the
+    #: connection allows (keys.then_commit): for a transaction we began ourselves.
+    commit: bool = False
 
     def run(self, handle: Any) -> T:
-        return self.parse(sync_db(handle).execute(self.statement, self.params))
+        return self.parse(sync_db(handle).execute(self.statement, self.params,
+                                                  commit=self.commit))
 
     async def arun(self, handle: Any) -> T:
         db = await async_db(handle)
-        return self.parse(await db.execute(self.statement, self.params))
+        return self.parse(await db.execute(self.statement, self.params, commit=self.commit))
 
 
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
@@ -109,6 +149,277 @@ _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 def _has_rows(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
     result = cur.pgresult
     return result is not None and result.status == _TUPLES_OK
+
+
+# -- under the cursor ------------------------------------------------------------------
+
+_COMMAND_OK = psycopg.pq.ExecStatus.COMMAND_OK
+_FATAL_ERROR = psycopg.pq.ExecStatus.FATAL_ERROR
+_PIPELINE_SYNC = psycopg.pq.ExecStatus.PIPELINE_SYNC
+_IDLE = psycopg.pq.TransactionStatus.IDLE
+_INTRANS = psycopg.pq.TransactionStatus.INTRANS
+_PIPELINE_OFF = psycopg.pq.PipelineStatus.OFF
+_NO_STATEMENT = "26000"  # invalid_sql_statement_name: our prepared statement is gone
+
+#: Server-side prepared statements of ours per psycopg connection: {(sql, parameter
+#: types): name}, and the next name's number (never reused: a statement deallocated
+#: behind our back must not collide with a new one of the same name).
+_prepared: weakref.WeakKeyDictionary[Any, tuple[dict[tuple[bytes, tuple[int, ...]], bytes],
+                                                list[int]]] = weakref.WeakKeyDictionary()
+#: Past this many per connection, new statements run unnamed (parsed each time).
+PREPARED_MAX = 200
+#: False (OUTBOX_PSYCOPG_CURSOR=1): every statement through a psycopg cursor, as before
+#: issue 11's change (the benchmarks' A/B; a way out should a psycopg release change
+#: what this relies on).
+DIRECT = os.environ.get("OUTBOX_PSYCOPG_CURSOR", "") not in ("1", "true", "yes")
+
+
+def _statement_name(conn: Any, statement: Statement, types: Sequence[int]
+                    ) -> tuple[bytes | None, bool]:
+    """Our prepared statement's name for `statement` on `conn`, and whether it must be
+    prepared first; (None, False): run it unnamed (`prepare_threshold=None`: a
+    transaction pooler that does not keep prepared statements)."""
+    if conn.prepare_threshold is None:
+        return None, False
+    try:
+        names, counter = _prepared[conn]
+    except KeyError:
+        names, counter = _prepared.setdefault(conn, ({}, [0]))
+    key = (statement.dollar, tuple(types))
+    name = names.get(key)
+    if name is not None:
+        return name, False
+    if len(names) >= PREPARED_MAX:
+        return None, False
+    counter[0] += 1
+    return f"_outbox_{counter[0]}".encode(), True
+
+
+def _begin_command(conn: Any) -> bytes:
+    """The BEGIN psycopg itself would send (`Connection._get_tx_start_command`)."""
+    if conn.isolation_level is None and conn.read_only is None and conn.deferrable is None:
+        return b"BEGIN"
+    parts = [b"BEGIN"]
+    if conn.isolation_level is not None:
+        level = psycopg.IsolationLevel(conn.isolation_level).name.replace("_", " ")
+        parts += [b"ISOLATION LEVEL", level.encode()]
+    if conn.read_only is not None:
+        parts.append(b"READ ONLY" if conn.read_only else b"READ WRITE")
+    if conn.deferrable is not None:
+        parts.append(b"DEFERRABLE" if conn.deferrable else b"NOT DEFERRABLE")
+    return b" ".join(parts)
+
+
+def _exchange(pgconn: Any, begin: bytes | None, name: bytes | None, prepare: bool,
+              statement: Statement, values: Sequence[Any], tx: Any, commit: bool
+              ) -> PQGen[list[Any]]:
+    """Send (BEGIN,) (PREPARE,) the statement (, COMMIT), in one round trip; the result
+    of each command, in order.
+
+    More than one command goes in libpq's pipeline mode: the server runs them in order
+    and stops at the first error (the rest come back PIPELINE_ABORTED).
+    """
+    types, formats = tx.types, tx.formats
+    if begin is None and not prepare and not commit:
+        if name is None:
+            pgconn.send_query_params(statement.dollar, values, types, formats)
+        else:
+            pgconn.send_query_prepared(name, values, formats)
+        sent: list[Any] = yield from generators.execute(pgconn)
+        return sent
+    pgconn.enter_pipeline_mode()
+    if begin is not None:
+        pgconn.send_query_params(begin, None)
+    if prepare:
+        assert name is not None
+        pgconn.send_prepare(name, statement.dollar, types)
+    if name is None:
+        pgconn.send_query_params(statement.dollar, values, types, formats)
+    else:
+        pgconn.send_query_prepared(name, values, formats)
+    if commit:
+        pgconn.send_query_params(b"COMMIT", None)
+    pgconn.pipeline_sync()
+    yield from generators.send(pgconn)
+    results: list[Any] = []
+    while True:
+        got = yield from generators.fetch_many(pgconn)
+        if got and got[0].status == _PIPELINE_SYNC:
+            break
+        results.extend(got)
+    pgconn.exit_pipeline_mode()
+    return results
+
+
+@functools.lru_cache(512)
+def _row_class(encoding: str, *names: bytes) -> Any:
+    """psycopg's namedtuple_row class for these column names (same mangling)."""
+    fields = []
+    for raw in names:
+        field = raw.decode(encoding)
+        if not field.isidentifier():
+            if field[0] in "1234567890":
+                field = "f" + field
+            if not field.isidentifier():
+                field = re.sub(r"[^A-Za-z0-9_]", "_", field)
+        if field[0] == "_":
+            field = "f" + field
+        fields.append(field)
+    try:
+        return namedtuple("Row", fields)
+    except ValueError as exc:
+        raise psycopg.DataError(f"can't create a namedtuple row: {exc}") from None
+
+
+def _result(conn: Any, statement: Statement, results: list[Any], tx: Any, at: int
+             ) -> Result:
+    """The rows of our statement's result (`results[at]`), or the first error raised
+    (BEGIN's, the PREPARE's, the statement's or the COMMIT's)."""
+    for res in results:
+        if res.status == _FATAL_ERROR:
+            raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+    res = results[at]
+    if res.status != _TUPLES_OK:
+        nrows = res.command_tuples
+        return Result([], nrows if nrows is not None else -1)
+    count = res.ntuples
+    if not count:
+        return Result([], 0)
+    tx.set_pgresult(res)
+    if statement.tuples:
+        return Result(tx.load_rows(0, count, tuple), count)
+    row = _row_class(conn.info.encoding, *(res.fname(i) for i in range(res.nfields)))
+    return Result(tx.load_rows(0, count, row._make), count)
+
+
+class _JsonContext:
+    """The connection's adapters, but json/jsonb loaded as JSON (see SyncDB.own_json)."""
+
+    __slots__ = ("adapters", "connection")
+
+    def __init__(self, conn: Any) -> None:
+        self.connection = conn
+        self.adapters = AdaptersMap(conn.adapters)
+        self.adapters.register_loader("json", JsonLoader)
+        self.adapters.register_loader("jsonb", JsonbLoader)
+
+
+_json_contexts: weakref.WeakKeyDictionary[Any, _JsonContext] = weakref.WeakKeyDictionary()
+
+
+def _context(conn: Any, own_json: bool) -> Any:
+    if not own_json:
+        return conn
+    try:
+        return _json_contexts[conn]
+    except KeyError:
+        return _json_contexts.setdefault(conn, _JsonContext(conn))
+
+
+def _prepare_for(conn: Any, statement: Statement, params: Mapping[str, Any] | None,
+                 own_json: bool, commit: bool) -> tuple[Any, Sequence[Any]] | None:
+    """The transformer and dumped values for a direct run; None: use a cursor (inside
+    a transaction, or anything unusual: see the module's doc). A statement that
+    commits (`commit`) may end a transaction: its caller retries the whole transaction
+    if our prepared statement is gone."""
+    if not DIRECT or not statement.dollar or conn.closed:
+        return None
+    pgconn = conn.pgconn
+    if pgconn.pipeline_status != _PIPELINE_OFF:
+        return None
+    status = pgconn.transaction_status
+    if status != _IDLE and not conn.autocommit and not (commit and status == _INTRANS):
+        return None
+    params = params or {}
+    tx = Transformer(_context(conn, own_json))
+    values = [params[name] for name in statement.names]
+    return tx, tx.dump_sequence(values, [PyFormat.AUTO] * len(values))
+
+
+def _forget(conn: Any, name: bytes | None, exc: BaseException) -> bool:
+    """After an error: drop what we knew of prepared statements if the server lost ours
+    (DEALLOCATE/DISCARD ALL behind our back). True: it was that."""
+    if name is None or getattr(exc, "sqlstate", None) != _NO_STATEMENT:
+        return False
+    _prepared.pop(conn, None)
+    return True
+
+
+def _run_sync(conn: Any, statement: Statement, tx: Any, values: Sequence[Any],
+              commit: bool) -> Result:
+    """Our statement on a psycopg Connection, under its cursor (see the module's doc)."""
+    for attempt in range(2):
+        with conn.lock:
+            pgconn = conn.pgconn
+            begin = None if conn.autocommit or pgconn.transaction_status != _IDLE \
+                else _begin_command(conn)
+            name, prepare = _statement_name(conn, statement, tx.types)
+            try:
+                results = conn.wait(_exchange(pgconn, begin, name, prepare, statement,
+                                              values, tx, commit))
+            except BaseException:
+                _abandon(conn)
+                raise
+            at = (begin is not None) + prepare
+            if prepare:
+                _prepared_now(conn, statement, tx, name, results[at - 1])
+        try:
+            return _result(conn, statement, results, tx, at)
+        except psycopg.Error as exc:
+            # Nothing ran, and nothing of the caller's was lost: prepare it, run it.
+            if not attempt and _forget(conn, name, exc) and (
+                    begin is not None or conn.autocommit):
+                if begin is not None:
+                    conn.rollback()  # the transaction we began holds nothing else
+                continue
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _run_async(conn: Any, statement: Statement, tx: Any, values: Sequence[Any],
+                     commit: bool) -> Result:
+    """`_run_sync` on a psycopg AsyncConnection."""
+    for attempt in range(2):
+        async with conn.lock:
+            pgconn = conn.pgconn
+            begin = None if conn.autocommit or pgconn.transaction_status != _IDLE \
+                else _begin_command(conn)
+            name, prepare = _statement_name(conn, statement, tx.types)
+            try:
+                results = await conn.wait(_exchange(pgconn, begin, name, prepare,
+                                                    statement, values, tx, commit))
+            except BaseException:
+                if not conn.closed and pgconn.pipeline_status != _PIPELINE_OFF:
+                    await conn.close()
+                raise
+            at = (begin is not None) + prepare
+            if prepare:
+                _prepared_now(conn, statement, tx, name, results[at - 1])
+        try:
+            return _result(conn, statement, results, tx, at)
+        except psycopg.Error as exc:
+            if not attempt and _forget(conn, name, exc) and (
+                    begin is not None or conn.autocommit):
+                if begin is not None:
+                    await conn.rollback()
+                continue
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _prepared_now(conn: Any, statement: Statement, tx: Any, name: bytes | None,
+                  prepared: Any) -> None:
+    """Remember a statement the server prepared (it stays prepared whatever became of
+    the transaction: prepared statements are not transactional)."""
+    if name is not None and prepared.status == _COMMAND_OK:
+        _prepared[conn][0][(statement.dollar, tuple(tx.types))] = name
+
+
+def _abandon(conn: Any) -> None:
+    """An exchange cut off mid-way (a timeout, an interrupt, a lost server) leaves the
+    protocol in an unknown state: a pipeline still open cannot be reused."""
+    if not conn.closed and conn.pgconn.pipeline_status != _PIPELINE_OFF:
+        conn.close()
 
 
 # -- sync ------------------------------------------------------------------------------
@@ -129,8 +440,16 @@ class SyncDB:
         self.wrap = wrap
         self.own_json = own_json
 
-    def execute(self, statement: Statement, params: Mapping[str, Any] | None = None) -> Result:
+    def execute(self, statement: Statement, params: Mapping[str, Any] | None = None, *,
+                commit: bool = False) -> Result:
         try:
+            direct = _prepare_for(self.conn, statement, params, self.own_json, commit)
+            if direct is not None:
+                return _run_sync(self.conn, statement, *direct, commit)
+            if commit:
+                done = self.execute(statement, params)
+                self.conn.commit()
+                return done
             with self.conn.cursor(row_factory=tuple_row if statement.tuples
                                   else namedtuple_row) as cur:
                 if self.own_json:
@@ -232,9 +551,16 @@ class AsyncDB:
         self.conn = conn
         self.wrap = wrap
 
-    async def execute(self, statement: Statement, params: Mapping[str, Any] | None = None
-                      ) -> Result:
+    async def execute(self, statement: Statement, params: Mapping[str, Any] | None = None,
+                      *, commit: bool = False) -> Result:
         try:
+            direct = _prepare_for(self.conn, statement, params, False, commit)
+            if direct is not None:
+                return await _run_async(self.conn, statement, *direct, commit)
+            if commit:
+                done = await self.execute(statement, params)
+                await self.conn.commit()
+                return done
             async with self.conn.cursor(row_factory=tuple_row if statement.tuples
                                         else namedtuple_row) as cur:
                 await cur.execute(statement.sql, params)
@@ -295,7 +621,8 @@ def drive(handle: Any, flow: Flow) -> Any:
         query = next(flow)
         while True:
             try:
-                result = query.parse(db.execute(query.statement, query.params))
+                result = query.parse(db.execute(query.statement, query.params,
+                                                commit=query.commit))
             except BaseException as exc:
                 query = flow.throw(exc)
                 continue
@@ -311,7 +638,8 @@ async def adrive(handle: Any, flow: Flow) -> Any:
         query = next(flow)
         while True:
             try:
-                result = query.parse(await db.execute(query.statement, query.params))
+                result = query.parse(await db.execute(query.statement, query.params,
+                                                      commit=query.commit))
             except BaseException as exc:
                 query = flow.throw(exc)
                 continue

@@ -373,9 +373,10 @@ def defer(claim: Claim, effects: Iterable[Effect]) -> list[str]:
     return keys
 
 
-def write_deferred(claim: Claim, write: Query[Any]
+def write_deferred(claim: Claim, write: Query[Any], *, commit: bool = False
                    ) -> Generator[Query[Any], Any, sql_keys.Completed]:
-    """The key's completing `write` carrying the claim's deferred effects.
+    """The key's completing `write` carrying the claim's deferred effects (`commit`:
+    and the transaction's COMMIT, for the plain case only: `sql_keys.then_commit`).
 
     Effects are written only with the key. A key that
     existed already is a duplicate if it is the same effect, else EffectKeyConflict
@@ -383,7 +384,8 @@ def write_deferred(claim: Claim, write: Query[Any]
     """
     rows = list(claim._deferred.values())
     yield from _lock_ordering_keys(rows)
-    done: sql_keys.Completed = yield sql_keys.with_effects(write, rows, NOTIFY_CHANNEL)
+    carrying = sql_keys.with_effects(write, rows, NOTIFY_CHANNEL)
+    done: sql_keys.Completed = yield sql_keys.then_commit(carrying) if commit else carrying
     if not done.key_write.written:
         return done
     inserted = set(done.inserted)

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Itera
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import psycopg
 from opentelemetry import trace
@@ -197,12 +197,44 @@ def sqlstate(exc: BaseException) -> str | None:
     return code if isinstance(code, str) else None
 
 
+def _not_written(claim: Claim) -> NoReturn:
+    """The completing write wrote no key: the request's work must roll back."""
+    if claim.mode == "atomic":
+        # The key's row is there though our read found none and we hold its lock: a
+        # twin's, written without the lock or committed after our snapshot. Retry the
+        # transaction (our work rolls back); its read replays the twin's answer.
+        raise _KeyAppeared("the key was completed by a twin; retrying")
+    idempotency_requests.add(1, {"outcome": "claim_lost"})
+    raise ClaimLost("the idempotency key was taken over; this request's work must roll "
+                    "back")
+
+
 class _KeyAppeared(ClaimLost):
     """The atomic key's row was there at our INSERT. A ClaimLost to a caller of
     `complete()` (its transaction must roll back); run() retries it like a
     serialization failure, and the retry's read replays the twin's answer."""
 
     sqlstate = "40001"
+
+
+class _NotPlain(Exception):
+    """run()'s completing write refused to commit (an effect key existed, or our
+    prepared statement was gone): the transaction is rolled back and tried again, its
+    write and COMMIT apart, so that the usual checks answer (a duplicate effect or
+    EffectKeyConflict). Retried like a serialization failure."""
+
+    sqlstate = "40001"
+
+
+def _refused(exc: Exception, claim: Claim, merge: list[bool]) -> None:
+    """What a completing write sent with its COMMIT refused (keys.then_commit) means:
+    what the write and the COMMIT apart would have answered, or another try apart."""
+    code = sqlstate(exc)
+    if code == sql.NOT_WRITTEN:
+        _not_written(claim)
+    if code in (sql.EFFECT_EXISTED, "26000"):  # 26000: our prepared statement was gone
+        merge[0] = False
+        raise _NotPlain("tried again, the write and the COMMIT apart") from exc
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -493,7 +525,10 @@ class IdempotencyGuard:
         return Claim(scope, key, fingerprint, "atomic", uuid.uuid4(), taken_over=True,
                      generation=row.generation, business_key=business, window=window)
 
-    def _complete(self, claim: Claim, response: StoredResponse) -> Flow:
+    def _complete(self, claim: Claim, response: StoredResponse, commit: bool = False
+                  ) -> Flow:
+        """`commit`: the write carries the transaction's COMMIT (run() owns it), and
+        refuses all but the plain case (`sql.then_commit`; run() then tries again)."""
         now = self.clock()
         write: Query[Any]
         business = claim.business_key if claim.mode == "atomic" else None  # detecting
@@ -517,23 +552,16 @@ class IdempotencyGuard:
         if claim._deferred:  # the deferred effects ride in the key's write
             from outbox._enqueue import write_deferred
 
-            wrote = (yield from write_deferred(claim, write)).key_write
+            wrote = (yield from write_deferred(claim, write, commit=commit)).key_write
         else:
-            alone = yield write
+            alone = yield sql.then_commit(write) if commit else write
             wrote = alone if isinstance(alone, sql.KeyWrite) else sql.KeyWrite(
                 bool(alone), 0, None)
         stored = wrote.written
         if stored and business is not None:
             _suspects_found(claim, wrote)
-        if not stored and claim.mode == "atomic":
-            # The key's row is there though our read found none and we hold its lock: a
-            # twin's, written without the lock or committed after our snapshot. Retry
-            # the transaction (our work rolls back); its read replays the twin's answer.
-            raise _KeyAppeared("the key was completed by a twin; retrying")
         if not stored:
-            idempotency_requests.add(1, {"outcome": "claim_lost"})
-            raise ClaimLost("the idempotency key was taken over; this request's work "
-                            "must roll back")
+            _not_written(claim)
         claim._completed = True
         idempotency_requests.add(1, {"outcome": "executed",
                                      "status_class": _status_class(response.status)})
@@ -630,6 +658,34 @@ class IdempotencyGuard:
         await adrive(await _arequire_transaction(target), self._complete(claim, response))
         ring_deferred(target, claim)
 
+    # -- run()'s own transactions: the COMMIT rides with the last write ----------------
+
+    def _complete_and_commit(self, conn: Any, claim: Claim, response: StoredResponse,
+                             merge: list[bool]) -> None:
+        """`complete`, then commit, in one round trip where `conn` is a SQLAlchemy
+        Connection of ours (a psycopg `transaction()` would send a COMMIT of its own);
+        `merge[0]` False after a refusal: apart, for this request's next try."""
+        commit = merge[0] and _is_sqlalchemy(conn)
+        try:
+            drive(_require_transaction(conn), self._complete(claim, response, commit))
+        except Exception as exc:
+            if commit:
+                _refused(exc, claim, merge)
+            raise
+        ring_deferred(conn, claim)
+
+    async def _acomplete_and_commit(self, conn: Any, claim: Claim,
+                                    response: StoredResponse, merge: list[bool]) -> None:
+        commit = merge[0] and _is_sqlalchemy(conn)
+        try:
+            await adrive(await _arequire_transaction(conn),
+                         self._complete(claim, response, commit))
+        except Exception as exc:
+            if commit:
+                _refused(exc, claim, merge)
+            raise
+        ring_deferred(conn, claim)
+
     # -- phased mode -----------------------------------------------------------------
 
     def claim(self, engine: Any, scope: str, key: str, fingerprint: str, *,
@@ -717,6 +773,7 @@ class IdempotencyGuard:
              prepare: Callable[[Claim], None] | None, business_key: str | None,
              same_request_window: float | None) -> Result:
         """`run` once the key is held as in flight here."""
+        merge = [True]
         if mode == "atomic":
             def atomic() -> Result:
                 with _transaction(engine) as conn:
@@ -726,7 +783,7 @@ class IdempotencyGuard:
                     if isinstance(begun, StoredResponse):
                         return Result(begun, replayed=True)
                     response = work(conn, begun)
-                    self.complete(conn, begun, response)
+                    self._complete_and_commit(conn, begun, response, merge)
                     return Result(response, replayed=False,
                                   suspected_duplicates=begun.suspected_duplicates)
             return _with_retries(atomic)
@@ -743,7 +800,7 @@ class IdempotencyGuard:
                 claimed._reset()
                 with _transaction(engine) as conn:
                     response = work(conn, claimed)
-                    self.complete(conn, claimed, response)
+                    self._complete_and_commit(conn, claimed, response, merge)
                 return Result(response, replayed=False,
                               suspected_duplicates=claimed.suspected_duplicates)
             return _with_retries(phased)
@@ -778,6 +835,7 @@ class IdempotencyGuard:
                     prepare: Callable[[Claim], Awaitable[None]] | None,
                     business_key: str | None, same_request_window: float | None) -> Result:
         """`arun` once the key is held as in flight here."""
+        merge = [True]
         if mode == "atomic":
             async def atomic() -> Result:
                 async with _atransaction(engine) as conn:
@@ -787,7 +845,7 @@ class IdempotencyGuard:
                     if isinstance(begun, StoredResponse):
                         return Result(begun, replayed=True)
                     response = await work(conn, begun)
-                    await self.acomplete(conn, begun, response)
+                    await self._acomplete_and_commit(conn, begun, response, merge)
                     return Result(response, replayed=False,
                                   suspected_duplicates=begun.suspected_duplicates)
             return await _awith_retries(atomic)
@@ -805,7 +863,7 @@ class IdempotencyGuard:
                 claimed._reset()
                 async with _atransaction(engine) as conn:
                     response = await work(conn, claimed)
-                    await self.acomplete(conn, claimed, response)
+                    await self._acomplete_and_commit(conn, claimed, response, merge)
                 return Result(response, replayed=False,
                               suspected_duplicates=claimed.suspected_duplicates)
             return await _awith_retries(phased)

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from psycopg.types.json import Jsonb
 
@@ -18,6 +18,7 @@ from outbox._driver import Query, Result, Statement, nothing, rowcount, sql
 from outbox.sql import effects
 
 _NOW = "coalesce(CAST(:now AS timestamptz), now())"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +178,9 @@ _SUSPECTS_COLUMNS = """
            (SELECT count(*) FROM suspects) AS suspects,
            (SELECT key FROM suspects ORDER BY created_at DESC LIMIT 1) AS latest_key
 """
+_WRITTEN = "EXISTS (SELECT 1 FROM written)"
 _SUSPECTS = f"""{_SUSPECTS_CTE}
-    SELECT EXISTS (SELECT 1 FROM written) AS written, {_SUSPECTS_COLUMNS}
+    SELECT {_WRITTEN} AS written, {_SUSPECTS_COLUMNS}
 """
 
 #: At most this many other keys are counted (and read) per write.
@@ -386,18 +388,18 @@ def complete_claimed_key(
 # write is the `written` CTE, the effects are written only if it wrote the key (a twin's
 # row there, or a phased claim taken over: no effect of ours is written), and the
 # doorbell rings for their queues at commit. One statement for what took two.
-_GATE = "EXISTS (SELECT 1 FROM written)"
+_GATE = _WRITTEN
 _EFFECTS_COLUMNS = """
            ARRAY(SELECT effect_key FROM ins) AS inserted,
            (SELECT count(*) FROM bell) AS rang
 """
 
 
-def _carrying(row: str, *, suspects: bool) -> Statement:
+def _carrying(row: str, *, suspects: bool, written: str = _WRITTEN) -> Statement:
     extra = f", {_SUSPECTS_CTE}" if suspects else ""
     columns = f"{_SUSPECTS_COLUMNS}," if suspects else ""
     return sql(f"WITH written AS ({row}), {effects.EFFECT_CTES.format(gate=_GATE)}{extra}"
-               f" SELECT EXISTS (SELECT 1 FROM written) AS written, {columns}"
+               f" SELECT {written} AS written, {columns}"
                f" {_EFFECTS_COLUMNS}", tuples=True)
 
 
@@ -406,6 +408,46 @@ _CARRYING: dict[Statement, Statement] = {
     _INSERT_COMPLETED_WITH_SUSPECTS: _carrying(_INSERT_COMPLETED_HASHED_ROW, suspects=True),
     _COMPLETE: _carrying(_COMPLETE_ROW, suspects=False),
 }
+
+# The key's completing write when the COMMIT rides in its round trip (`then_commit`,
+# migration 0012): the same statement and result, but it raises (and the COMMIT after
+# it is not run) unless it is the plain case, all that may commit without the guard's
+# look at the result: the key written (else NOT_WRITTEN) and, carrying effects, every
+# one of them new (else EFFECT_EXISTED). The two cannot fail together (no key written,
+# no effect tried), so the order PostgreSQL evaluates them in does not matter.
+NOT_WRITTEN, EFFECT_EXISTED = "OB001", "OB002"
+_PLAIN = f"outbox.require({_GATE}, '{NOT_WRITTEN}', 'the key was not written')"
+_PLAIN_WITH_EFFECTS = (
+    f"{_PLAIN} AND outbox.require((SELECT count(*) FROM ins) = (SELECT count(*) FROM t),"
+    f" '{EFFECT_EXISTED}', 'an effect key existed')")
+
+
+def _required(row: str) -> Statement:
+    """`row` (an INSERT or UPDATE ... RETURNING 1): one row if written, else
+    NOT_WRITTEN."""
+    return sql(f"WITH written AS ({row}) SELECT 1 WHERE {_PLAIN}", tuples=True)
+
+
+_THEN_COMMIT: dict[Statement, Statement] = {
+    _INSERT_COMPLETED: _required(_INSERT_COMPLETED_ROW),
+    _COMPLETE: _required(_COMPLETE_ROW),
+    _INSERT_COMPLETED_WITH_SUSPECTS: sql(
+        f"WITH written AS ({_INSERT_COMPLETED_HASHED_ROW}), "
+        f"{_SUSPECTS.replace(f'{_WRITTEN} AS written', f'{_PLAIN} AS written')}",
+        tuples=True),
+    **{carrying: _carrying(row, suspects=suspects, written=_PLAIN_WITH_EFFECTS)
+       for carrying, row, suspects in (
+           (_CARRYING[_INSERT_COMPLETED], _INSERT_COMPLETED_ROW, False),
+           (_CARRYING[_INSERT_COMPLETED_WITH_SUSPECTS], _INSERT_COMPLETED_HASHED_ROW, True),
+           (_CARRYING[_COMPLETE], _COMPLETE_ROW, False))},
+}
+
+
+def then_commit(write: Query[T]) -> Query[T]:
+    """`write` (a completing key write, with effects or not) sent with the COMMIT of
+    its transaction: it commits only the plain case, else raises NOT_WRITTEN or
+    EFFECT_EXISTED."""
+    return Query(_THEN_COMMIT[write.statement], write.params, write.parse, commit=True)
 
 
 @dataclass(frozen=True, slots=True)

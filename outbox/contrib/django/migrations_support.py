@@ -26,6 +26,7 @@ MIGRATIONS: tuple[tuple[str, str], ...] = (
     ("0006_lock_and_read_key", "0009"),
     ("0007_watched_doorbell", "0010"),
     ("0008_first_claimed_at", "0011"),
+    ("0009_require", "0012"),
 )
 
 

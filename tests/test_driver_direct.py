@@ -1,0 +1,278 @@
+"""Our statements under psycopg's cursor (outbox/_driver.py, issue 11).
+
+They run on libpq directly, with psycopg's own adapters, our own prepared statements,
+and the transaction's BEGIN in the same round trip when ours is its first statement.
+What must hold: the same rows as through a cursor; one round trip where two were; the
+caller's BEGIN options; a prepared statement dropped behind our back (DEALLOCATE ALL)
+costs no request that can be retried safely; `prepare_threshold=None` (a transaction
+pooler) prepares nothing; an error leaves the connection usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, make_url
+from sqlalchemy.exc import DBAPIError
+
+from outbox import _driver
+from outbox._driver import SyncDB, sql, sync_db
+from outbox.sql import keys as sql_keys
+
+# Every type our statements read back, NULLs included, named and by position.
+_TYPES = """
+    SELECT CAST(:u AS uuid) AS u, CAST(:j AS jsonb) AS j, CAST(:b AS bytea) AS b,
+           CAST(:t AS timestamptz) AS t, interval '90 seconds' AS age, 42 AS n,
+           CAST(NULL AS text) AS nothing, :s AS s, CAST(:ints AS int[]) AS ints,
+           CAST(:u AS uuid) = CAST(:u AS uuid) AS same
+"""
+NAMED, TUPLES = sql(_TYPES), sql(_TYPES, tuples=True)
+
+
+def _params() -> dict[str, Any]:
+    return {"u": uuid.uuid4(), "j": '{"a": [1, "x"]}', "b": b"\x00\xffbody",
+            "t": dt.datetime(2026, 12, 5, 9, 0, tzinfo=dt.UTC), "s": "é'\\%",
+            "ints": [1, 2, 3]}
+
+
+@pytest.fixture
+def conn(db_url: str) -> Iterator[psycopg.Connection[Any]]:
+    dsn = make_url(db_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    with psycopg.connect(dsn) as c:
+        yield c
+
+
+def _ours(conn: psycopg.Connection[Any]) -> list[str]:
+    with conn.cursor() as cur:
+        cur.execute("SELECT name FROM pg_prepared_statements WHERE name LIKE '_outbox_%'")
+        return [r[0] for r in cur.fetchall()]
+
+
+def _cursor_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_driver, "DIRECT", False)
+
+
+def test_rows_are_what_a_psycopg_cursor_returns(conn: psycopg.Connection[Any],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    params = _params()
+    db = SyncDB(conn)
+    direct_named, direct_tuples = db.execute(NAMED, params), db.execute(TUPLES, params)
+    conn.rollback()
+    _cursor_only(monkeypatch)
+    cursor_named, cursor_tuples = db.execute(NAMED, params), db.execute(TUPLES, params)
+    assert direct_named.rows == cursor_named.rows
+    assert direct_named.rows[0]._fields == cursor_named.rows[0]._fields
+    assert direct_tuples.rows == cursor_tuples.rows
+    assert type(direct_tuples.rows[0]) is tuple
+    row = direct_named.rows[0]
+    assert (row.u, row.j, row.b, row.age, row.n, row.nothing, row.s, row.ints, row.same) == (
+        params["u"], {"a": [1, "x"]}, params["b"], dt.timedelta(seconds=90), 42, None,
+        params["s"], [1, 2, 3], True)
+    assert row.t == params["t"]
+    assert direct_named.rowcount == cursor_named.rowcount == 1
+
+
+def test_rowcount_of_a_statement_without_rows(conn: psycopg.Connection[Any]) -> None:
+    conn.execute("CREATE TEMP TABLE t_direct (x int)")
+    db = SyncDB(conn)
+    assert db.execute(sql("INSERT INTO t_direct SELECT g FROM generate_series(1, :n) g"),
+                      {"n": 3}).rowcount == 3
+    assert db.execute(sql("SELECT x FROM t_direct WHERE x > :n"), {"n": 9}).rows == []
+
+
+def _round_trips(conn: psycopg.Connection[Any], run: Any, tmp: Path) -> int:
+    """ReadyForQuery messages the server sent while `run` ran: one per round trip."""
+    trace = tmp / f"trace-{uuid.uuid4().hex}"
+    with trace.open("w") as f:
+        conn.pgconn.trace(f.fileno())
+        try:
+            run()
+        finally:
+            conn.pgconn.untrace()
+    return sum("ReadyForQuery" in line for line in trace.read_text().splitlines())
+
+
+def test_the_first_statement_of_a_transaction_carries_its_begin(
+        conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    db = SyncDB(conn)
+    read = sql_keys.lock_and_read_key(7, "scope", "k")
+
+    def execute() -> None:
+        db.execute(read.statement, read.params)
+    execute()  # prepares it
+    conn.rollback()
+    assert _round_trips(conn, execute, tmp_path) == 1  # BEGIN and the statement
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    assert _round_trips(conn, execute, tmp_path) == 1  # the statement alone
+    conn.rollback()
+    _cursor_only(monkeypatch)
+    assert _round_trips(conn, execute, tmp_path) == 2  # a cursor: BEGIN, then it
+    conn.rollback()
+
+
+def test_the_begin_keeps_the_connections_isolation_and_read_only(
+        conn: psycopg.Connection[Any]) -> None:
+    conn.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+    conn.read_only = True
+    db = SyncDB(conn)
+    got = db.execute(sql("SELECT current_setting('transaction_isolation') AS i,"
+                         " current_setting('transaction_read_only') AS r")).one()
+    assert (got.i, got.r) == ("serializable", "on")
+    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        db.execute(sql("CREATE TABLE t_never (x int)"))
+    conn.rollback()
+
+
+def test_autocommit_sends_no_begin(conn: psycopg.Connection[Any]) -> None:
+    conn.autocommit = True
+    SyncDB(conn).execute(sql("SELECT 1 AS one"))
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_a_statement_deallocated_behind_our_back_is_prepared_again(
+        conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    db = SyncDB(conn)
+    one = sql("SELECT CAST(:x AS int) + 1 AS y")
+    assert db.execute(one, {"x": 1}).one().y == 2
+    conn.commit()
+    assert len(_ours(conn)) == 1
+    conn.execute("DEALLOCATE ALL")
+    conn.commit()
+    # First in its transaction: nothing else to lose, so it is run again at once.
+    assert db.execute(one, {"x": 2}).one().y == 3
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    conn.commit()
+    # Inside a transaction ours go through a psycopg cursor: nothing of ours to lose.
+    conn.execute("DEALLOCATE ALL")
+    conn.execute("SELECT 1")
+    assert _round_trips(conn, lambda: db.execute(one, {"x": 3}), tmp_path) == 1
+    assert db.execute(one, {"x": 3}).one().y == 4
+    conn.commit()
+    # In autocommit, too, nothing ran: prepared again and run.
+    conn.autocommit = True
+    conn.execute("DEALLOCATE ALL")
+    assert db.execute(one, {"x": 4}).one().y == 5
+    assert len(_ours(conn)) == 1
+
+
+def test_psycopgs_own_deallocate_after_a_savepoint_rollback_costs_no_request(
+        conn: psycopg.Connection[Any]) -> None:
+    """psycopg sends DEALLOCATE ALL when a ROLLBACK (TO SAVEPOINT, as SQLAlchemy's and
+    Django's nested transactions send it) first passes through its cursor while it
+    holds prepared statements of its own. The guard's requests must not notice."""
+    from outbox import IdempotencyGuard, StoredResponse, enqueue
+
+    guard = IdempotencyGuard()
+
+    def work(c: Any, claim: Any) -> StoredResponse:
+        enqueue(c, "direct.test", {"n": 1}, claim=claim)
+        psycopg_deallocates_all(c)  # between our statements of one transaction
+        return StoredResponse(201, (), b"{}")
+
+    def psycopg_deallocates_all(c: Any) -> None:
+        for _ in range(6):  # psycopg prepares a statement of its own after 5 runs
+            c.execute("SELECT 1 + 1")
+        savepoint = f"s_{uuid.uuid4().hex}"  # a text psycopg has not seen yet
+        c.execute(f"SAVEPOINT {savepoint}")
+        c.execute(f"ROLLBACK TO SAVEPOINT {savepoint}")
+        c.execute("SELECT 3")  # psycopg's DEALLOCATE ALL goes before this one
+        assert _ours(c) == []
+
+    for n in range(3):
+        assert not guard.run(conn, "direct", f"k{n}", "fp", work).replayed
+        assert not guard.run(conn, "direct", f"j{n}", "fp", work).replayed
+    count = conn.execute("SELECT count(*) FROM outbox.effects WHERE kind = 'direct.test'")
+    assert count.fetchone() == (6,)
+    conn.rollback()
+
+
+def test_prepare_threshold_none_prepares_nothing(conn: psycopg.Connection[Any]) -> None:
+    conn.prepare_threshold = None  # what a transaction pooler (PgBouncer) needs
+    db = SyncDB(conn)
+    for x in range(3):
+        assert db.execute(sql("SELECT CAST(:x AS int) AS x"), {"x": x}).one().x == x
+    assert _ours(conn) == []
+    conn.rollback()
+
+
+def test_an_error_in_the_first_statement_leaves_the_connection_usable(
+        conn: psycopg.Connection[Any]) -> None:
+    db = SyncDB(conn)
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        db.execute(sql("SELECT 1 / CAST(:z AS int) AS x"), {"z": 0})
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+    assert conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF
+    conn.rollback()
+    with pytest.raises(psycopg.errors.UndefinedTable):  # the prepare itself fails
+        db.execute(sql("SELECT x FROM no_such_table WHERE x = :x"), {"x": 1})
+    conn.rollback()
+    assert db.execute(sql("SELECT 1 / CAST(:z AS int) AS x"), {"z": 1}).one().x == 1
+    assert not conn.closed
+
+
+def test_sqlalchemy_callers_still_get_dbapi_errors(engine: Engine) -> None:
+    with engine.connect() as conn, pytest.raises(DBAPIError) as caught:
+        sync_db(conn).execute(sql("SELECT 1 / CAST(:z AS int) AS x"), {"z": 0})
+    assert isinstance(caught.value.orig, psycopg.errors.DivisionByZero)
+
+
+def test_json_loaded_by_us_where_the_owner_loads_it_as_text(
+        conn: psycopg.Connection[Any]) -> None:
+    # Django registers text loaders for json/jsonb on its connections.
+    from psycopg.types.string import TextLoader
+
+    conn.adapters.register_loader("jsonb", TextLoader)
+    assert SyncDB(conn).execute(sql("SELECT CAST(:j AS jsonb) AS j"),
+                                {"j": '{"a": 1}'}).one().j == '{"a": 1}'
+    assert SyncDB(conn, own_json=True).execute(sql("SELECT CAST(:j AS jsonb) AS j"),
+                                               {"j": '{"a": 1}'}).one().j == {"a": 1}
+    conn.rollback()
+
+
+def test_the_dollar_form_numbers_each_name_once() -> None:
+    st = sql("SELECT :a, :b, :a, x::text, '%' FROM t WHERE y = :b")
+    assert st.dollar == b"SELECT $1, $2, $1, x::text, '%' FROM t WHERE y = $2"
+    assert st.names == ("a", "b")
+    assert st.sql == "SELECT %(a)s, %(b)s, %(a)s, x::text, '%%' FROM t WHERE y = %(b)s"
+
+
+def test_async_the_same_rows_one_round_trip_and_a_deallocated_statement(
+        db_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from outbox._driver import AsyncDB
+
+    dsn = make_url(db_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    params = _params()
+
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            db = AsyncDB(conn)
+            direct = await db.execute(NAMED, params)
+            await conn.rollback()
+            monkeypatch.setattr(_driver, "DIRECT", False)
+            assert (await db.execute(NAMED, params)).rows == direct.rows
+            await conn.rollback()
+            monkeypatch.setattr(_driver, "DIRECT", True)
+            trace = tmp_path / "async-trace"
+            with trace.open("w") as f:
+                conn.pgconn.trace(f.fileno())
+                await db.execute(NAMED, params)
+                conn.pgconn.untrace()
+            assert trace.read_text().count("ReadyForQuery") == 1
+            await conn.commit()
+            await conn.execute("DEALLOCATE ALL")
+            await conn.commit()
+            assert (await db.execute(NAMED, params)).rows == direct.rows
+            await conn.rollback()
+
+    asyncio.run(scenario())
