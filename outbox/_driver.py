@@ -25,23 +25,19 @@ always caught (and a broken connection is invalidated for the pool).
 Statements are written with `:name` parameters (as before) and converted once, at
 import, to psycopg's `%(name)s` style and to libpq's `$n` style.
 
-A statement that opens a transaction, or runs in autocommit, runs *under* psycopg's
-cursor (`_direct`): its parameters dumped and its rows loaded by psycopg's own
-`Transformer` (the connection's adapters), sent with libpq's calls and waited for
-through `Connection.wait` (so a `BoundedConnection`'s call timeout bounds it), as our
-own server-side prepared statement, prepared in the same round trip as its first run,
-and with the transaction's BEGIN (as psycopg would send it) in that round trip too
+Our statements run *under* psycopg's cursor: their parameters dumped and their rows
+loaded by psycopg's own `Transformer` (the connection's adapters), prepared through
+psycopg's own prepared-statement cache (the connection's `_prepared`: the names, the
+LRU and the DEALLOCATE ALL psycopg sends after a ROLLBACK stay psycopg's, so it never
+holds a name the server dropped), sent with libpq's calls and waited for through
+`Connection.wait` (a `BoundedConnection`'s call timeout bounds them). A statement that
+opens the transaction carries its BEGIN (the one psycopg would send, isolation level
+included) in the same round trip, and one sent with `commit=True` carries the COMMIT
 (libpq pipeline mode). A psycopg cursor costs ~40 µs of client CPU per statement more,
-and the BEGIN a round trip of its own (issue 11).
-
-Why only there: psycopg sends DEALLOCATE ALL when it sees a ROLLBACK (a savepoint's
-too), DROP or ALTER go through a cursor, and our prepared statements go with its own.
-Where our statement opens the transaction or runs alone, "prepared statement does not
-exist" has cost nothing: it is prepared again and run at once. Inside a transaction
-the caller's work would be lost with it, so a statement there goes through a psycopg
-cursor, prepared by psycopg's own cache. Anything unusual (a closed connection, a
-psycopg pipeline open) takes the cursor too; `prepare_threshold=None` (a transaction
-pooler) runs ours unnamed.
+and the BEGIN and COMMIT a round trip each (issue 11; docs/architecture.md, "Round
+trips"). Anything unusual (a closed connection, a psycopg pipeline open, a transaction
+in error, a libpq without pipeline mode) takes the cursor; `OUTBOX_PSYCOPG_CURSOR=1`
+takes it always.
 """
 
 from __future__ import annotations
@@ -61,6 +57,14 @@ from psycopg.abc import PQGen
 from psycopg.adapt import AdaptersMap, PyFormat, Transformer
 from psycopg.rows import namedtuple_row, tuple_row
 from psycopg.types.json import JsonbLoader, JsonLoader
+
+try:  # psycopg's prepared-statement cache, shared with its cursors (see DIRECT)
+    from psycopg._preparing import Prepare as _Prepare
+
+    _NO: Any = _Prepare.NO
+    _SHOULD: Any = _Prepare.SHOULD
+except ImportError:  # pragma: no cover - DIRECT is False then
+    _NO = _SHOULD = object()
 
 T = TypeVar("T")
 
@@ -159,40 +163,37 @@ _PIPELINE_SYNC = psycopg.pq.ExecStatus.PIPELINE_SYNC
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 _INTRANS = psycopg.pq.TransactionStatus.INTRANS
 _PIPELINE_OFF = psycopg.pq.PipelineStatus.OFF
-_NO_STATEMENT = "26000"  # invalid_sql_statement_name: our prepared statement is gone
-
-#: Server-side prepared statements of ours per psycopg connection: {(sql, parameter
-#: types): name}, and the next name's number (never reused: a statement deallocated
-#: behind our back must not collide with a new one of the same name).
-_prepared: weakref.WeakKeyDictionary[Any, tuple[dict[tuple[bytes, tuple[int, ...]], bytes],
-                                                list[int]]] = weakref.WeakKeyDictionary()
-#: Past this many per connection, new statements run unnamed (parsed each time).
-PREPARED_MAX = 200
-#: False (OUTBOX_PSYCOPG_CURSOR=1): every statement through a psycopg cursor, as before
-#: issue 11's change (the benchmarks' A/B; a way out should a psycopg release change
-#: what this relies on).
-DIRECT = os.environ.get("OUTBOX_PSYCOPG_CURSOR", "") not in ("1", "true", "yes")
+_BAD = psycopg.pq.ConnStatus.BAD
+_NO_STATEMENT = "26000"  # invalid_sql_statement_name: a prepared statement is gone
 
 
-def _statement_name(conn: Any, statement: Statement, types: Sequence[int]
-                    ) -> tuple[bytes | None, bool]:
-    """Our prepared statement's name for `statement` on `conn`, and whether it must be
-    prepared first; (None, False): run it unnamed (`prepare_threshold=None`: a
-    transaction pooler that does not keep prepared statements)."""
-    if conn.prepare_threshold is None:
-        return None, False
+def _psycopg_supports_it() -> bool:
+    """libpq's pipeline mode, and psycopg's prepared-statement cache as we use it."""
     try:
-        names, counter = _prepared[conn]
-    except KeyError:
-        names, counter = _prepared.setdefault(conn, ({}, [0]))
-    key = (statement.dollar, tuple(types))
-    name = names.get(key)
-    if name is not None:
-        return name, False
-    if len(names) >= PREPARED_MAX:
-        return None, False
-    counter[0] += 1
-    return f"_outbox_{counter[0]}".encode(), True
+        from psycopg._preparing import Prepare, PrepareManager
+
+        return (psycopg.capabilities.has_pipeline() and hasattr(Prepare, "SHOULD")
+                and all(hasattr(PrepareManager, n)
+                        for n in ("get", "maybe_add_to_cache", "validate", "clear")))
+    except (ImportError, AttributeError, psycopg.NotSupportedError):
+        return False
+
+
+#: False (OUTBOX_PSYCOPG_CURSOR=1, or a psycopg/libpq without what this needs): every
+#: statement through a psycopg cursor, its BEGIN and COMMIT apart, as before issue 11's
+#: change (the benchmarks' A/B; a way out should a psycopg release change its insides).
+DIRECT = (os.environ.get("OUTBOX_PSYCOPG_CURSOR", "") not in ("1", "true", "yes")
+          and _psycopg_supports_it())
+
+
+class _Key:
+    """What psycopg's prepared-statement cache keys a query by (`PrepareManager.key`)."""
+
+    __slots__ = ("query", "types")
+
+    def __init__(self, query: bytes, types: Sequence[int]) -> None:
+        self.query = query
+        self.types = tuple(types)
 
 
 def _begin_command(conn: Any) -> bytes:
@@ -210,33 +211,32 @@ def _begin_command(conn: Any) -> bytes:
     return b" ".join(parts)
 
 
-def _exchange(pgconn: Any, begin: bytes | None, name: bytes | None, prepare: bool,
+def _exchange(pgconn: Any, begin: bytes | None, name: bytes, prepare: bool,
               statement: Statement, values: Sequence[Any], tx: Any, commit: bool
               ) -> PQGen[list[Any]]:
     """Send (BEGIN,) (PREPARE,) the statement (, COMMIT), in one round trip; the result
-    of each command, in order.
+    of each command, in order (name b"": the statement unnamed).
 
     More than one command goes in libpq's pipeline mode: the server runs them in order
-    and stops at the first error (the rest come back PIPELINE_ABORTED).
+    and skips the rest after an error (they come back PIPELINE_ABORTED).
     """
     types, formats = tx.types, tx.formats
     if begin is None and not prepare and not commit:
-        if name is None:
-            pgconn.send_query_params(statement.dollar, values, types, formats)
-        else:
+        if name:
             pgconn.send_query_prepared(name, values, formats)
+        else:
+            pgconn.send_query_params(statement.dollar, values, types, formats)
         sent: list[Any] = yield from generators.execute(pgconn)
         return sent
     pgconn.enter_pipeline_mode()
     if begin is not None:
         pgconn.send_query_params(begin, None)
     if prepare:
-        assert name is not None
         pgconn.send_prepare(name, statement.dollar, types)
-    if name is None:
-        pgconn.send_query_params(statement.dollar, values, types, formats)
-    else:
+    if name:
         pgconn.send_query_prepared(name, values, formats)
+    else:
+        pgconn.send_query_params(statement.dollar, values, types, formats)
     if commit:
         pgconn.send_query_params(b"COMMIT", None)
     pgconn.pipeline_sync()
@@ -244,9 +244,13 @@ def _exchange(pgconn: Any, begin: bytes | None, name: bytes | None, prepare: boo
     results: list[Any] = []
     while True:
         got = yield from generators.fetch_many(pgconn)
-        if got and got[0].status == _PIPELINE_SYNC:
+        if not got:
+            raise psycopg.OperationalError("the server sent no result in pipeline mode")
+        if got[0].status == _PIPELINE_SYNC:
             break
         results.extend(got)
+        if got[-1].status == _FATAL_ERROR and pgconn.status == _BAD:
+            return results  # the server ended the session: its error is all there is
     pgconn.exit_pipeline_mode()
     return results
 
@@ -271,14 +275,17 @@ def _row_class(encoding: str, *names: bytes) -> Any:
         raise psycopg.DataError(f"can't create a namedtuple row: {exc}") from None
 
 
-def _result(conn: Any, statement: Statement, results: list[Any], tx: Any, at: int
-             ) -> Result:
-    """The rows of our statement's result (`results[at]`), or the first error raised
-    (BEGIN's, the PREPARE's, the statement's or the COMMIT's)."""
+def _first_error(conn: Any, results: list[Any]) -> psycopg.Error | None:
+    """The first error among the commands' results (BEGIN's, the PREPARE's, the
+    statement's or the COMMIT's), as psycopg raises it."""
     for res in results:
         if res.status == _FATAL_ERROR:
-            raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
-    res = results[at]
+            return psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+    return None
+
+
+def _rows(conn: Any, statement: Statement, res: Any, tx: Any) -> Result:
+    """The rows of our statement's result."""
     if res.status != _TUPLES_OK:
         nrows = res.command_tuples
         return Result([], nrows if nrows is not None else -1)
@@ -297,122 +304,85 @@ class _JsonContext:
 
     __slots__ = ("adapters", "connection")
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, adapters: AdaptersMap) -> None:
         self.connection = conn
-        self.adapters = AdaptersMap(conn.adapters)
-        self.adapters.register_loader("json", JsonLoader)
-        self.adapters.register_loader("jsonb", JsonbLoader)
+        self.adapters = adapters
 
 
-_json_contexts: weakref.WeakKeyDictionary[Any, _JsonContext] = weakref.WeakKeyDictionary()
+#: The adapters for `own_json`, per connection (the map only: a value holding its key
+#: would keep every closed connection alive).
+_json_adapters: weakref.WeakKeyDictionary[Any, AdaptersMap] = weakref.WeakKeyDictionary()
 
 
 def _context(conn: Any, own_json: bool) -> Any:
     if not own_json:
         return conn
-    try:
-        return _json_contexts[conn]
-    except KeyError:
-        return _json_contexts.setdefault(conn, _JsonContext(conn))
+    adapters = _json_adapters.get(conn)
+    if adapters is None:
+        adapters = AdaptersMap(conn.adapters)
+        adapters.register_loader("json", JsonLoader)
+        adapters.register_loader("jsonb", JsonbLoader)
+        _json_adapters[conn] = adapters
+    return _JsonContext(conn, adapters)
 
 
 def _prepare_for(conn: Any, statement: Statement, params: Mapping[str, Any] | None,
-                 own_json: bool, commit: bool) -> tuple[Any, Sequence[Any]] | None:
-    """The transformer and dumped values for a direct run; None: use a cursor (inside
-    a transaction, or anything unusual: see the module's doc). A statement that
-    commits (`commit`) may end a transaction: its caller retries the whole transaction
-    if our prepared statement is gone."""
+                 own_json: bool) -> tuple[Any, Sequence[Any]] | None:
+    """The transformer and dumped values for a run under the cursor; None: use one."""
     if not DIRECT or not statement.dollar or conn.closed:
         return None
-    pgconn = conn.pgconn
-    if pgconn.pipeline_status != _PIPELINE_OFF:
-        return None
-    status = pgconn.transaction_status
-    if status != _IDLE and not conn.autocommit and not (commit and status == _INTRANS):
-        return None
     params = params or {}
+    try:
+        values = [params[name] for name in statement.names]
+    except KeyError as missing:
+        raise psycopg.ProgrammingError(f"query parameter missing: {missing}") from None
     tx = Transformer(_context(conn, own_json))
-    values = [params[name] for name in statement.names]
     return tx, tx.dump_sequence(values, [PyFormat.AUTO] * len(values))
 
 
-def _forget(conn: Any, name: bytes | None, exc: BaseException) -> bool:
-    """After an error: drop what we knew of prepared statements if the server lost ours
-    (DEALLOCATE/DISCARD ALL behind our back). True: it was that."""
-    if name is None or getattr(exc, "sqlstate", None) != _NO_STATEMENT:
-        return False
-    _prepared.pop(conn, None)
-    return True
+class _Plan:
+    """One run under the cursor, decided under the connection's lock."""
+
+    __slots__ = ("at", "begin", "commit", "key", "name", "prep", "retry")
+
+    def __init__(self, conn: Any, statement: Statement, tx: Any, commit: bool) -> None:
+        pgconn = conn.pgconn
+        status = pgconn.transaction_status
+        self.begin = None if conn.autocommit or status != _IDLE else _begin_command(conn)
+        # A statement of ours whose prepared form is gone fails having run nothing:
+        # where nothing else was in its transaction, it is prepared again and run.
+        self.retry = status == _IDLE
+        self.commit = commit and not conn.autocommit
+        self.key = _Key(statement.dollar, tx.types)
+        self.prep, self.name = conn._prepared.get(self.key, True)
+        self.at = (self.begin is not None) + (self.prep is _SHOULD)
 
 
-def _run_sync(conn: Any, statement: Statement, tx: Any, values: Sequence[Any],
-              commit: bool) -> Result:
-    """Our statement on a psycopg Connection, under its cursor (see the module's doc)."""
-    for attempt in range(2):
-        with conn.lock:
-            pgconn = conn.pgconn
-            begin = None if conn.autocommit or pgconn.transaction_status != _IDLE \
-                else _begin_command(conn)
-            name, prepare = _statement_name(conn, statement, tx.types)
-            try:
-                results = conn.wait(_exchange(pgconn, begin, name, prepare, statement,
-                                              values, tx, commit))
-            except BaseException:
-                _abandon(conn)
-                raise
-            at = (begin is not None) + prepare
-            if prepare:
-                _prepared_now(conn, statement, tx, name, results[at - 1])
-        try:
-            return _result(conn, statement, results, tx, at)
-        except psycopg.Error as exc:
-            # Nothing ran, and nothing of the caller's was lost: prepare it, run it.
-            if not attempt and _forget(conn, name, exc) and (
-                    begin is not None or conn.autocommit):
-                if begin is not None:
-                    conn.rollback()  # the transaction we began holds nothing else
-                continue
-            raise
-    raise AssertionError("unreachable")  # pragma: no cover
+def _usable(conn: Any) -> bool:
+    """Whether the connection can take a run under the cursor now (under its lock)."""
+    pgconn = conn.pgconn
+    return (not conn.closed and pgconn.pipeline_status == _PIPELINE_OFF
+            and pgconn.transaction_status in (_IDLE, _INTRANS))
 
 
-async def _run_async(conn: Any, statement: Statement, tx: Any, values: Sequence[Any],
-                     commit: bool) -> Result:
-    """`_run_sync` on a psycopg AsyncConnection."""
-    for attempt in range(2):
-        async with conn.lock:
-            pgconn = conn.pgconn
-            begin = None if conn.autocommit or pgconn.transaction_status != _IDLE \
-                else _begin_command(conn)
-            name, prepare = _statement_name(conn, statement, tx.types)
-            try:
-                results = await conn.wait(_exchange(pgconn, begin, name, prepare,
-                                                    statement, values, tx, commit))
-            except BaseException:
-                if not conn.closed and pgconn.pipeline_status != _PIPELINE_OFF:
-                    await conn.close()
-                raise
-            at = (begin is not None) + prepare
-            if prepare:
-                _prepared_now(conn, statement, tx, name, results[at - 1])
-        try:
-            return _result(conn, statement, results, tx, at)
-        except psycopg.Error as exc:
-            if not attempt and _forget(conn, name, exc) and (
-                    begin is not None or conn.autocommit):
-                if begin is not None:
-                    await conn.rollback()
-                continue
-            raise
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _prepared_now(conn: Any, statement: Statement, tx: Any, name: bytes | None,
-                  prepared: Any) -> None:
-    """Remember a statement the server prepared (it stays prepared whatever became of
-    the transaction: prepared statements are not transactional)."""
-    if name is not None and prepared.status == _COMMAND_OK:
-        _prepared[conn][0][(statement.dollar, tuple(tx.types))] = name
+def _settle(conn: Any, statement: Statement, plan: _Plan, tx: Any, results: list[Any]
+            ) -> Result | psycopg.Error:
+    """Tell psycopg's cache what became of the statement; its rows, or its error."""
+    manager = conn._prepared
+    if len(results) <= plan.at:  # cut short: the session ended
+        return _first_error(conn, results) or psycopg.OperationalError(
+            "the connection ended before the statement's result")
+    res = results[plan.at]
+    if plan.prep is not _NO:
+        key = manager.maybe_add_to_cache(plan.key, plan.prep, plan.name)
+        if key is not None:
+            manager.validate(key, plan.prep, plan.name, [res])
+    error = _first_error(conn, results)
+    if error is not None:
+        if error.sqlstate == _NO_STATEMENT:
+            manager.clear()  # dropped behind psycopg's back (a DEALLOCATE it missed)
+        return error
+    return _rows(conn, statement, res, tx)
 
 
 def _abandon(conn: Any) -> None:
@@ -420,6 +390,66 @@ def _abandon(conn: Any) -> None:
     protocol in an unknown state: a pipeline still open cannot be reused."""
     if not conn.closed and conn.pgconn.pipeline_status != _PIPELINE_OFF:
         conn.close()
+
+
+def _rollback(pgconn: Any) -> PQGen[list[Any]]:
+    """ROLLBACK of the transaction our own BEGIN opened (psycopg's rollback() would
+    take the lock we hold)."""
+    pgconn.send_query_params(b"ROLLBACK", None)
+    done: list[Any] = yield from generators.execute(pgconn)
+    return done
+
+
+def _run_sync(conn: Any, statement: Statement, tx: Any, values: Sequence[Any],
+              commit: bool) -> Result | None:
+    """Our statement on a psycopg Connection, under its cursor (see the module's doc);
+    None: the connection is not in a state for it (use a cursor)."""
+    with conn.lock:
+        for attempt in range(2):
+            if not _usable(conn):
+                return None
+            plan = _Plan(conn, statement, tx, commit)
+            try:
+                results = conn.wait(_exchange(conn.pgconn, plan.begin, plan.name,
+                                              plan.prep is _SHOULD, statement, values, tx,
+                                              plan.commit))
+            except BaseException:
+                _abandon(conn)
+                raise
+            done = _settle(conn, statement, plan, tx, results)
+            if not isinstance(done, psycopg.Error):
+                return done
+            if attempt or not plan.retry or done.sqlstate != _NO_STATEMENT:
+                raise done
+            if plan.begin is not None:
+                conn.wait(_rollback(conn.pgconn))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _run_async(conn: Any, statement: Statement, tx: Any, values: Sequence[Any],
+                     commit: bool) -> Result | None:
+    """`_run_sync` on a psycopg AsyncConnection."""
+    async with conn.lock:
+        for attempt in range(2):
+            if not _usable(conn):
+                return None
+            plan = _Plan(conn, statement, tx, commit)
+            try:
+                results = await conn.wait(_exchange(conn.pgconn, plan.begin, plan.name,
+                                                    plan.prep is _SHOULD, statement,
+                                                    values, tx, plan.commit))
+            except BaseException:
+                if not conn.closed and conn.pgconn.pipeline_status != _PIPELINE_OFF:
+                    await conn.close()
+                raise
+            done = _settle(conn, statement, plan, tx, results)
+            if not isinstance(done, psycopg.Error):
+                return done
+            if attempt or not plan.retry or done.sqlstate != _NO_STATEMENT:
+                raise done
+            if plan.begin is not None:
+                await conn.wait(_rollback(conn.pgconn))
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # -- sync ------------------------------------------------------------------------------
@@ -443,13 +473,12 @@ class SyncDB:
     def execute(self, statement: Statement, params: Mapping[str, Any] | None = None, *,
                 commit: bool = False) -> Result:
         try:
-            direct = _prepare_for(self.conn, statement, params, self.own_json, commit)
+            direct = _prepare_for(self.conn, statement, params, self.own_json)
             if direct is not None:
-                return _run_sync(self.conn, statement, *direct, commit)
-            if commit:
-                done = self.execute(statement, params)
-                self.conn.commit()
-                return done
+                done = _run_sync(self.conn, statement, *direct, commit)
+                if done is not None:
+                    return done
+            # Through a cursor, `commit` is left to the transaction's owner.
             with self.conn.cursor(row_factory=tuple_row if statement.tuples
                                   else namedtuple_row) as cur:
                 if self.own_json:
@@ -554,13 +583,11 @@ class AsyncDB:
     async def execute(self, statement: Statement, params: Mapping[str, Any] | None = None,
                       *, commit: bool = False) -> Result:
         try:
-            direct = _prepare_for(self.conn, statement, params, False, commit)
+            direct = _prepare_for(self.conn, statement, params, False)
             if direct is not None:
-                return await _run_async(self.conn, statement, *direct, commit)
-            if commit:
-                done = await self.execute(statement, params)
-                await self.conn.commit()
-                return done
+                done = await _run_async(self.conn, statement, *direct, commit)
+                if done is not None:
+                    return done
             async with self.conn.cursor(row_factory=tuple_row if statement.tuples
                                         else namedtuple_row) as cur:
                 await cur.execute(statement.sql, params)

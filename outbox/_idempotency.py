@@ -48,6 +48,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from outbox import _driver
 from outbox._config import DEFAULT_MAX_ATTEMPTS
 from outbox._driver import AsyncDB, Query, SyncDB, adrive, async_db, drive, sync_db
 from outbox._inflight import database_of, in_flight
@@ -224,6 +225,18 @@ class _NotPlain(Exception):
     EffectKeyConflict). Retried like a serialization failure."""
 
     sqlstate = "40001"
+
+
+def _may_commit_early(conn: Any) -> bool:
+    """Whether run() may send its COMMIT with the key's write: on a SQLAlchemy
+    Connection of its own (a psycopg `transaction()` block sends a COMMIT of its own),
+    statements under the cursor (not OUTBOX_PSYCOPG_CURSOR=1), and no `commit` event
+    listener (its SQL would run after our COMMIT, outside the request's transaction)."""
+    if not _driver.DIRECT or not _is_sqlalchemy(conn):
+        return False
+    sync = getattr(conn, "sync_connection", conn)  # an AsyncConnection's
+    dispatch = getattr(sync, "dispatch", None)
+    return dispatch is not None and not dispatch.commit
 
 
 def _refused(exc: Exception, claim: Claim, merge: list[bool]) -> None:
@@ -662,10 +675,10 @@ class IdempotencyGuard:
 
     def _complete_and_commit(self, conn: Any, claim: Claim, response: StoredResponse,
                              merge: list[bool]) -> None:
-        """`complete`, then commit, in one round trip where `conn` is a SQLAlchemy
-        Connection of ours (a psycopg `transaction()` would send a COMMIT of its own);
-        `merge[0]` False after a refusal: apart, for this request's next try."""
-        commit = merge[0] and _is_sqlalchemy(conn)
+        """`complete`, then commit, in one round trip where that changes nothing else
+        (`_may_commit_early`); `merge[0]` False after a refusal: apart, for this
+        request's next try."""
+        commit = merge[0] and _may_commit_early(conn)
         try:
             drive(_require_transaction(conn), self._complete(claim, response, commit))
         except Exception as exc:
@@ -676,7 +689,7 @@ class IdempotencyGuard:
 
     async def _acomplete_and_commit(self, conn: Any, claim: Claim,
                                     response: StoredResponse, merge: list[bool]) -> None:
-        commit = merge[0] and _is_sqlalchemy(conn)
+        commit = merge[0] and _may_commit_early(conn)
         try:
             await adrive(await _arequire_transaction(conn),
                          self._complete(claim, response, commit))

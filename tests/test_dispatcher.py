@@ -29,6 +29,7 @@ from dispatcher import Dispatcher, HttpHandler, Registry, RetryPolicy
 from dispatcher.examples.payments.psp import Receiver
 from dispatcher.handlers import EffectContext
 from dispatcher.http_async import AsyncHttpHandler
+from outbox import _driver
 from outbox.errors import (
     AmbiguousOutcome,
     PermanentFailure,
@@ -74,8 +75,9 @@ def record(engine: Engine, outcomes: list[sql.Outcome], worker: str = "w",
 class StatementCounter:
     """Counts outbox statements sent while active (`with StatementCounter(e) as c`).
 
-    Counted at psycopg's cursor: the dispatch statements run through the driver seam
-    (outbox/_driver.py), under SQLAlchemy, where its cursor events do not see them.
+    Counted where the driver seam (outbox/_driver.py) sends them, under SQLAlchemy,
+    where its cursor events do not see them: at psycopg's cursor, and under it (a
+    statement that opens a transaction or runs in autocommit, `_driver._exchange`).
     Pool pings and session statements are not ours (they name no outbox table).
     """
 
@@ -83,9 +85,11 @@ class StatementCounter:
         self.engine = engine
         self.statements: list[str] = []
         self._real: Any = None
+        self._exchange: Any = None
 
     def __enter__(self) -> StatementCounter:
         real = self._real = psycopg.Cursor.execute
+        exchange = self._exchange = _driver._exchange
         statements = self.statements
 
         def execute(cur: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
@@ -94,11 +98,19 @@ class StatementCounter:
                 statements.append(text_)
             return real(cur, query, *args, **kwargs)
 
+        def direct(pgconn: Any, begin: Any, name: Any, prepare: bool,
+                   statement: Any, *args: Any) -> Any:
+            if "outbox." in statement.sql:
+                statements.append(statement.sql)
+            return exchange(pgconn, begin, name, prepare, statement, *args)
+
         psycopg.Cursor.execute = execute  # type: ignore[method-assign,assignment]
+        _driver._exchange = direct  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
         psycopg.Cursor.execute = self._real  # type: ignore[method-assign]
+        _driver._exchange = self._exchange
 
 
 # --------------------------------------------------------------------------- claim

@@ -1,11 +1,12 @@
 """Our statements under psycopg's cursor (outbox/_driver.py, issue 11).
 
-They run on libpq directly, with psycopg's own adapters, our own prepared statements,
+They run on libpq directly, with psycopg's own adapters and prepared-statement cache,
 and the transaction's BEGIN in the same round trip when ours is its first statement.
 What must hold: the same rows as through a cursor; one round trip where two were; the
-caller's BEGIN options; a prepared statement dropped behind our back (DEALLOCATE ALL)
-costs no request that can be retried safely; `prepare_threshold=None` (a transaction
-pooler) prepares nothing; an error leaves the connection usable.
+caller's BEGIN options; psycopg's own DEALLOCATE ALL (after any ROLLBACK) costs
+nothing, and one it did not see costs nothing where nothing else was in the
+transaction; `prepare_threshold=None` (a transaction pooler) prepares nothing; an error
+leaves the connection usable; Django's JSON loaders keep no connection alive.
 """
 
 from __future__ import annotations
@@ -51,9 +52,15 @@ def conn(db_url: str) -> Iterator[psycopg.Connection[Any]]:
 
 
 def _ours(conn: psycopg.Connection[Any]) -> list[str]:
+    """Prepared statements with parameters (ours; psycopg's `SELECT 1 + 1` has none)."""
     with conn.cursor() as cur:
-        cur.execute("SELECT name FROM pg_prepared_statements WHERE name LIKE '_outbox_%'")
+        cur.execute("SELECT name FROM pg_prepared_statements WHERE statement LIKE '%$1%'")
         return [r[0] for r in cur.fetchall()]
+
+
+def _deallocate_unseen(conn: psycopg.Connection[Any]) -> None:
+    """DEALLOCATE ALL where psycopg cannot see it (as another library on the session)."""
+    assert conn.pgconn.exec_(b"DEALLOCATE ALL").status == psycopg.pq.ExecStatus.COMMAND_OK
 
 
 def _cursor_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,49 +127,102 @@ def test_the_first_statement_of_a_transaction_carries_its_begin(
 
 
 def test_the_begin_keeps_the_connections_isolation_and_read_only(
-        conn: psycopg.Connection[Any]) -> None:
+        conn: psycopg.Connection[Any], tmp_path: Path) -> None:
     conn.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
     conn.read_only = True
     db = SyncDB(conn)
-    got = db.execute(sql("SELECT current_setting('transaction_isolation') AS i,"
-                         " current_setting('transaction_read_only') AS r")).one()
-    assert (got.i, got.r) == ("serializable", "on")
+    settings = sql("SELECT current_setting('transaction_isolation') AS i,"
+                   " current_setting('transaction_read_only') AS r")
+    got: list[Any] = []
+    assert _round_trips(conn, lambda: got.append(db.execute(settings).one()), tmp_path) == 1
+    assert (got[0].i, got[0].r) == ("serializable", "on")
     with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
         db.execute(sql("CREATE TABLE t_never (x int)"))
     conn.rollback()
 
 
-def test_autocommit_sends_no_begin(conn: psycopg.Connection[Any]) -> None:
+def test_autocommit_sends_no_begin(conn: psycopg.Connection[Any], tmp_path: Path) -> None:
     conn.autocommit = True
-    SyncDB(conn).execute(sql("SELECT 1 AS one"))
+    one = sql("SELECT CAST(:x AS int) AS one")
+    SyncDB(conn).execute(one, {"x": 1})
+    assert _round_trips(conn, lambda: SyncDB(conn).execute(one, {"x": 1}), tmp_path) == 1
     assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert len(_ours(conn)) == 1
 
 
-def test_a_statement_deallocated_behind_our_back_is_prepared_again(
-        conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch,
-        tmp_path: Path) -> None:
+def test_a_statement_deallocated_behind_psycopgs_back(
+        conn: psycopg.Connection[Any], tmp_path: Path) -> None:
     db = SyncDB(conn)
     one = sql("SELECT CAST(:x AS int) + 1 AS y")
     assert db.execute(one, {"x": 1}).one().y == 2
     conn.commit()
     assert len(_ours(conn)) == 1
-    conn.execute("DEALLOCATE ALL")
+    # psycopg's own DEALLOCATE ALL (every ROLLBACK, once it holds statements): seen.
+    conn.execute("SELECT 1")
+    conn.rollback()
+    assert _ours(conn) == []
+    assert _round_trips(conn, lambda: db.execute(one, {"x": 2}), tmp_path) == 1
     conn.commit()
-    # First in its transaction: nothing else to lose, so it is run again at once.
+    # One psycopg did not see, and ours opens the transaction: nothing else to lose,
+    # so it is prepared again and run at once.
+    _deallocate_unseen(conn)
     assert db.execute(one, {"x": 2}).one().y == 3
     assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
     conn.commit()
-    # Inside a transaction ours go through a psycopg cursor: nothing of ours to lose.
-    conn.execute("DEALLOCATE ALL")
+    # Inside a transaction the caller's work is gone with it, as through psycopg's
+    # own cursor; the retry prepares it again.
     conn.execute("SELECT 1")
-    assert _round_trips(conn, lambda: db.execute(one, {"x": 3}), tmp_path) == 1
+    _deallocate_unseen(conn)
+    with pytest.raises(psycopg.errors.InvalidSqlStatementName):
+        db.execute(one, {"x": 3})
+    conn.rollback()
     assert db.execute(one, {"x": 3}).one().y == 4
     conn.commit()
-    # In autocommit, too, nothing ran: prepared again and run.
+    # In autocommit, nothing ran: prepared again and run.
     conn.autocommit = True
-    conn.execute("DEALLOCATE ALL")
+    _deallocate_unseen(conn)
     assert db.execute(one, {"x": 4}).one().y == 5
     assert len(_ours(conn)) == 1
+
+
+def test_autocommit_inside_an_explicit_transaction_loses_nothing(
+        conn: psycopg.Connection[Any]) -> None:
+    """An autocommit connection inside `conn.transaction()`: ours is not the first
+    statement there, so a prepared statement gone is not run again inside the
+    transaction (it would fail there); the caller's rows stay."""
+    from outbox import enqueue
+
+    conn.autocommit = True
+    enqueue(conn, "direct.test", {"n": 0})  # prepared
+    with conn.transaction():
+        conn.execute("INSERT INTO test_orders (key, amount) VALUES ('ac', 1)")
+        _deallocate_unseen(conn)
+        with pytest.raises(psycopg.errors.InvalidSqlStatementName):
+            enqueue(conn, "direct.test", {"n": 1})
+        raise psycopg.Rollback()
+    with conn.transaction():
+        conn.execute("INSERT INTO test_orders (key, amount) VALUES ('ac', 1)")
+        enqueue(conn, "direct.test", {"n": 1})
+    assert conn.execute("SELECT count(*) FROM test_orders WHERE key = 'ac'"
+                        ).fetchone() == (1,)
+    assert conn.execute("SELECT count(*) FROM outbox.effects").fetchone() == (2,)
+
+
+def test_json_loaders_keep_no_connection_alive(db_url: str) -> None:
+    import gc
+    import weakref
+
+    dsn = make_url(db_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    refs = []
+    for _ in range(3):
+        with psycopg.connect(dsn) as c:
+            SyncDB(c, own_json=True).execute(sql("SELECT CAST(:j AS jsonb) AS j"),
+                                             {"j": "{}"})
+            refs.append(weakref.ref(c))
+    del c
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
 
 
 def test_psycopgs_own_deallocate_after_a_savepoint_rollback_costs_no_request(
@@ -270,8 +330,8 @@ def test_async_the_same_rows_one_round_trip_and_a_deallocated_statement(
                 conn.pgconn.untrace()
             assert trace.read_text().count("ReadyForQuery") == 1
             await conn.commit()
-            await conn.execute("DEALLOCATE ALL")
-            await conn.commit()
+            assert conn.pgconn.exec_(b"DEALLOCATE ALL").status == \
+                psycopg.pq.ExecStatus.COMMAND_OK  # unseen by psycopg
             assert (await db.execute(NAMED, params)).rows == direct.rows
             await conn.rollback()
 

@@ -77,34 +77,81 @@ def test_a_guarded_request_costs_the_round_trips_of_a_bare_one(
                                  " WHERE status = 'completed'")).scalar_one() == 3
 
 
-def test_our_statement_dropped_under_the_request_costs_one_more_try(
+def test_psycopgs_deallocate_during_the_request_costs_nothing(
         one_connection: Engine) -> None:
-    """psycopg's DEALLOCATE ALL (a savepoint rolled back through its cursor while it
-    holds statements of its own) drops the prepared write the COMMIT rides with: the
-    write fails (26000) and nothing commits; run() tries the request again with the
-    write and the COMMIT apart. The work runs twice, its rows commit once."""
+    """psycopg sends DEALLOCATE ALL when a ROLLBACK (a savepoint's too) passes through it
+    while it holds prepared statements: ours are in its cache, so it knows they are
+    gone and the write that carries the COMMIT is prepared again in its round trip."""
     guard = IdempotencyGuard()
     calls: list[int] = []
 
     def deallocating(conn: Connection, claim: Claim) -> StoredResponse:
         calls.append(1)
         response = work(conn, claim)
-        for _ in range(6):  # psycopg prepares a statement of its own after 5 runs
-            conn.exec_driver_sql("SELECT 1 + 1")
         savepoint = conn.begin_nested()
         savepoint.rollback()  # ROLLBACK TO SAVEPOINT, first seen: psycopg clears ...
         conn.exec_driver_sql("SELECT 3")  # ... and sends DEALLOCATE ALL before this
         return response
 
     guard.run(one_connection, "rt", "warm", "fp", work)  # our write is prepared
+    assert not guard.run(one_connection, "rt", "dropped", "fp", deallocating).replayed
+    assert len(calls) == 1
+    with one_connection.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox.effects")).scalar_one() == 4
+
+
+def test_our_statement_dropped_unseen_under_the_request_costs_one_more_try(
+        one_connection: Engine) -> None:
+    """A DEALLOCATE ALL psycopg did not see drops the prepared write the COMMIT rides
+    with: the write fails (26000) and nothing commits; run() tries the request again
+    with the write and the COMMIT apart. The work runs twice, its rows commit once."""
+    guard = IdempotencyGuard()
+    calls: list[int] = []
+
+    def deallocating(conn: Connection, claim: Claim) -> StoredResponse:
+        calls.append(1)
+        response = work(conn, claim)
+        if len(calls) == 1:
+            raw = conn.connection.driver_connection
+            assert raw is not None
+            assert raw.pgconn.exec_(b"DEALLOCATE ALL").status == \
+                psycopg.pq.ExecStatus.COMMAND_OK
+        return response
+
+    guard.run(one_connection, "rt", "warm", "fp", work)
     result = guard.run(one_connection, "rt", "dropped", "fp", deallocating)
     assert not result.replayed and len(calls) == 2
     with one_connection.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM test_orders WHERE key = 'dropped'"
                                  )).scalar_one() == 1
         assert conn.execute(text("SELECT count(*) FROM outbox.effects")).scalar_one() == 4
-    # ... and the next request rides again.
     assert not guard.run(one_connection, "rt", "after", "fp", work).replayed
+
+
+def test_a_commit_listener_keeps_the_commit_apart(one_connection: Engine) -> None:
+    """SQL a `commit` listener runs must run in the request's transaction, as before:
+    with a listener on the engine, run() leaves the COMMIT to SQLAlchemy."""
+    from sqlalchemy import event
+
+    seen: list[tuple[Any, Any]] = []
+
+    def audit(conn: Connection) -> None:
+        seen.append((conn.exec_driver_sql("SELECT txid_current_if_assigned()").scalar(),
+                     conn.exec_driver_sql("SELECT count(*) FROM test_orders WHERE key ="
+                                          " 'listened'").scalar()))
+
+    def work_and_txid(conn: Connection, claim: Claim) -> StoredResponse:
+        response = work(conn, claim)
+        seen.append((conn.exec_driver_sql("SELECT txid_current()").scalar(), None))
+        return response
+
+    event.listen(one_connection, "commit", audit)
+    try:
+        IdempotencyGuard().run(one_connection, "rt", "listened", "fp", work_and_txid)
+    finally:
+        event.remove(one_connection, "commit", audit)
+    (in_work, _), (at_commit, rows) = seen
+    assert at_commit == in_work and rows == 1
 
 
 def test_an_effect_key_that_existed_is_answered_as_with_the_two_apart(
