@@ -2,6 +2,7 @@
 """Client CPU per guarded request, one thread, against any checkout: prints ONE JSON line.
 
     uv run python bench/bench_guard_cpu.py [--tree PATH] [--requests 300] [--blocks 8]
+                                           [--cursor]
 
 `--tree` is a checkout (a `git worktree` of an older commit, say) whose `outbox` package
 is imported instead of this one, so two trees can be compared in one sitting; give each
@@ -9,8 +10,13 @@ tree its own database (DATABASE_URL), as each migrates it to its own head. Varia
 interleaved blocks of --requests each: `bare` (BEGIN; INSERT; COMMIT on a make_engine()
 Engine), `guarded` (guard.run, atomic, the order row and 2 effects by enqueue_many) and,
 where the tree has Claim.enqueue_many, `deferred` (the same 2 effects deferred to the
-key's write). Per variant the median over the blocks of process time per request (this
-process: Python, psycopg, the kernel's socket work), and bare / variant.
+key's write). `--cursor` adds `deferred_cursor`: `deferred` with every statement
+through a psycopg cursor and the BEGIN and COMMIT apart (`outbox._driver.DIRECT =
+False`, as `OUTBOX_PSYCOPG_CURSOR=1`; session 11's A/B), in the same blocks. Per
+variant the median over the blocks of process time per request (this process:
+Python, psycopg, the kernel's socket work), of PostgreSQL's CPU per request (every
+`postgres` process on this host, from /proc) and of wall time per request, and bare
+/ variant for each.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]))
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--cursor", action="store_true",
+                        help="add `deferred_cursor`: statements through psycopg's cursor")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(args.tree).resolve()))
 
@@ -83,17 +91,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants: dict[str, Callable[[], None]] = {"bare": bare, "guarded": guarded}
     if hasattr(Claim, "enqueue_many"):
         variants["deferred"] = lambda: guarded(True)
+    direct = {name: True for name in variants}
+    if args.cursor:
+        from outbox import _driver
+
+        variants["deferred_cursor"] = lambda: guarded(True)
+        direct["deferred_cursor"] = False
+
+        def switch(name: str) -> None:
+            _driver.DIRECT = direct[name]
+    else:
+        def switch(name: str) -> None:
+            pass
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_guard_steps import postgres_cpu_seconds
+
     per: dict[str, list[float]] = {name: [] for name in variants}
+    server: dict[str, list[float]] = {name: [] for name in variants}
+    wall: dict[str, list[float]] = {name: [] for name in variants}
     try:
-        for fn in variants.values():  # warm plans, prepared statements and caches
+        for name, fn in variants.items():  # warm plans, prepared statements and caches
+            switch(name)
             for _ in range(200):
                 fn()
         for _ in range(args.blocks):
             for name, fn in variants.items():
+                switch(name)
+                pg0, w0 = postgres_cpu_seconds(), time.perf_counter()
                 started = time.process_time()
                 for _ in range(args.requests):
                     fn()
                 per[name].append((time.process_time() - started) / args.requests)
+                server[name].append((postgres_cpu_seconds() - pg0) / args.requests)
+                wall[name].append((time.perf_counter() - w0) / args.requests)
     finally:
         with engine.begin() as conn:
             conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
@@ -102,12 +132,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                          {"s": scope})
         engine.dispose()
     medians = {name: statistics.median(values) for name, values in per.items()}
+    pg = {name: statistics.median(values) for name, values in server.items()}
+    walls = {name: statistics.median(values) for name, values in wall.items()}
     report: dict[str, Any] = {"bench": "guard_cpu", "tree": args.tree,
                               "requests_per_block": args.requests, "blocks": args.blocks}
     for name, value in medians.items():
         report[f"{name}_cpu_ms"] = round(value * 1000, 3)
+        report[f"{name}_postgres_ms"] = round(pg[name] * 1000, 3)
+        report[f"{name}_wall_ms"] = round(walls[name] * 1000, 3)
         if name != "bare":
             report[f"bare_over_{name}"] = round(medians["bare"] / value, 3)
+            both = value + pg[name]
+            report[f"bare_over_{name}_box"] = round(
+                (medians["bare"] + pg["bare"]) / both, 3) if both else None
     print(json.dumps(report), flush=True)
     return 0
 
