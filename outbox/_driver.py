@@ -385,11 +385,10 @@ def _settle(conn: Any, statement: Statement, plan: _Plan, tx: Any, results: list
     return _rows(conn, statement, res, tx)
 
 
-def _abandon(conn: Any) -> None:
-    """An exchange cut off mid-way (a timeout, an interrupt, a lost server) leaves the
-    protocol in an unknown state: a pipeline still open cannot be reused."""
-    if not conn.closed and conn.pgconn.pipeline_status != _PIPELINE_OFF:
-        conn.close()
+def _cut_off(conn: Any) -> bool:
+    """Whether an exchange cut off mid-way (a timeout, an interrupt, a lost server) left
+    a pipeline open: the protocol's state is unknown, the connection must be closed."""
+    return not conn.closed and conn.pgconn.pipeline_status != _PIPELINE_OFF
 
 
 def _rollback(pgconn: Any) -> PQGen[list[Any]]:
@@ -400,27 +399,48 @@ def _rollback(pgconn: Any) -> PQGen[list[Any]]:
     return done
 
 
+def _outcome(conn: Any, statement: Statement, plan: _Plan, tx: Any, results: list[Any],
+             attempt: int) -> Result | None:
+    """The statement's rows; None: its prepared form was gone and nothing else was in
+    its transaction, so it is prepared again and run (after a ROLLBACK of the
+    transaction its BEGIN opened); otherwise its error, raised."""
+    done = _settle(conn, statement, plan, tx, results)
+    if not isinstance(done, psycopg.Error):
+        return done
+    if attempt or not plan.retry or done.sqlstate != _NO_STATEMENT:
+        raise done
+    return None
+
+
+def _send(conn: Any, statement: Statement, tx: Any, values: Sequence[Any], commit: bool
+          ) -> tuple[_Plan, PQGen[list[Any]]] | None:
+    """The plan and the exchange of one try; None: not now, use a cursor."""
+    if not _usable(conn):
+        return None
+    plan = _Plan(conn, statement, tx, commit)
+    return plan, _exchange(conn.pgconn, plan.begin, plan.name, plan.prep is _SHOULD,
+                           statement, values, tx, plan.commit)
+
+
 def _run_sync(conn: Any, statement: Statement, tx: Any, values: Sequence[Any],
               commit: bool) -> Result | None:
     """Our statement on a psycopg Connection, under its cursor (see the module's doc);
     None: the connection is not in a state for it (use a cursor)."""
     with conn.lock:
         for attempt in range(2):
-            if not _usable(conn):
+            sending = _send(conn, statement, tx, values, commit)
+            if sending is None:
                 return None
-            plan = _Plan(conn, statement, tx, commit)
+            plan, exchange = sending
             try:
-                results = conn.wait(_exchange(conn.pgconn, plan.begin, plan.name,
-                                              plan.prep is _SHOULD, statement, values, tx,
-                                              plan.commit))
+                results = conn.wait(exchange)
             except BaseException:
-                _abandon(conn)
+                if _cut_off(conn):
+                    conn.close()
                 raise
-            done = _settle(conn, statement, plan, tx, results)
-            if not isinstance(done, psycopg.Error):
+            done = _outcome(conn, statement, plan, tx, results, attempt)
+            if done is not None:
                 return done
-            if attempt or not plan.retry or done.sqlstate != _NO_STATEMENT:
-                raise done
             if plan.begin is not None:
                 conn.wait(_rollback(conn.pgconn))
     raise AssertionError("unreachable")  # pragma: no cover
@@ -431,22 +451,19 @@ async def _run_async(conn: Any, statement: Statement, tx: Any, values: Sequence[
     """`_run_sync` on a psycopg AsyncConnection."""
     async with conn.lock:
         for attempt in range(2):
-            if not _usable(conn):
+            sending = _send(conn, statement, tx, values, commit)
+            if sending is None:
                 return None
-            plan = _Plan(conn, statement, tx, commit)
+            plan, exchange = sending
             try:
-                results = await conn.wait(_exchange(conn.pgconn, plan.begin, plan.name,
-                                                    plan.prep is _SHOULD, statement,
-                                                    values, tx, plan.commit))
+                results = await conn.wait(exchange)
             except BaseException:
-                if not conn.closed and conn.pgconn.pipeline_status != _PIPELINE_OFF:
+                if _cut_off(conn):
                     await conn.close()
                 raise
-            done = _settle(conn, statement, plan, tx, results)
-            if not isinstance(done, psycopg.Error):
+            done = _outcome(conn, statement, plan, tx, results, attempt)
+            if done is not None:
                 return done
-            if attempt or not plan.retry or done.sqlstate != _NO_STATEMENT:
-                raise done
             if plan.begin is not None:
                 await conn.wait(_rollback(conn.pgconn))
     raise AssertionError("unreachable")  # pragma: no cover
