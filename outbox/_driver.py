@@ -167,25 +167,6 @@ _BAD = psycopg.pq.ConnStatus.BAD
 _NO_STATEMENT = "26000"  # invalid_sql_statement_name: a prepared statement is gone
 
 
-def _psycopg_supports_it() -> bool:
-    """libpq's pipeline mode, and psycopg's prepared-statement cache as we use it."""
-    try:
-        from psycopg._preparing import Prepare, PrepareManager
-
-        return (psycopg.capabilities.has_pipeline() and hasattr(Prepare, "SHOULD")
-                and all(hasattr(PrepareManager, n)
-                        for n in ("get", "maybe_add_to_cache", "validate", "clear")))
-    except (ImportError, AttributeError, psycopg.NotSupportedError):
-        return False
-
-
-#: False (OUTBOX_PSYCOPG_CURSOR=1, or a psycopg/libpq without what this needs): every
-#: statement through a psycopg cursor, its BEGIN and COMMIT apart, as before issue 11's
-#: change (the benchmarks' A/B; a way out should a psycopg release change its insides).
-DIRECT = (os.environ.get("OUTBOX_PSYCOPG_CURSOR", "") not in ("1", "true", "yes")
-          and _psycopg_supports_it())
-
-
 class _Key:
     """What psycopg's prepared-statement cache keys a query by (`PrepareManager.key`)."""
 
@@ -194,6 +175,28 @@ class _Key:
     def __init__(self, query: bytes, types: Sequence[int]) -> None:
         self.query = query
         self.types = tuple(types)
+
+
+def _psycopg_supports_it() -> bool:
+    """libpq's pipeline mode, and psycopg's prepared-statement cache as we use it."""
+    try:
+        from psycopg._preparing import Prepare, PrepareManager
+
+        manager = PrepareManager()
+        return (psycopg.capabilities.has_pipeline() and hasattr(Prepare, "SHOULD")
+                and all(hasattr(manager, n) for n in (
+                    "get", "maybe_add_to_cache", "validate", "clear", "maintain_gen",
+                    "_to_flush"))
+                and manager.key(_Key(b"x", (25,))) == (b"x", (25,)))  # type: ignore[arg-type]
+    except (ImportError, AttributeError, TypeError, psycopg.NotSupportedError):
+        return False
+
+
+#: False (OUTBOX_PSYCOPG_CURSOR=1, or a psycopg/libpq without what this needs): every
+#: statement through a psycopg cursor, its BEGIN and COMMIT apart, as before issue 11's
+#: change (the benchmarks' A/B; a way out should a psycopg release change its insides).
+DIRECT = (os.environ.get("OUTBOX_PSYCOPG_CURSOR", "").strip().lower()
+          not in ("1", "true", "yes", "on") and _psycopg_supports_it())
 
 
 def _begin_command(conn: Any) -> bytes:
@@ -243,14 +246,20 @@ def _exchange(pgconn: Any, begin: bytes | None, name: bytes, prepare: bool,
     yield from generators.send(pgconn)
     results: list[Any] = []
     while True:
-        got = yield from generators.fetch_many(pgconn)
+        try:
+            got = yield from generators.fetch_many(pgconn)
+        except psycopg.OperationalError:
+            # The server ended the session (pg_terminate_backend, a timeout): it said
+            # why in a FATAL before it closed, and that is the error to raise, as
+            # psycopg's own fetch does (the connection is closed now, BAD).
+            if any(r.status == _FATAL_ERROR for r in results):
+                return results
+            raise
         if not got:
             raise psycopg.OperationalError("the server sent no result in pipeline mode")
         if got[0].status == _PIPELINE_SYNC:
             break
         results.extend(got)
-        if got[-1].status == _FATAL_ERROR and pgconn.status == _BAD:
-            return results  # the server ended the session: its error is all there is
     pgconn.exit_pipeline_mode()
     return results
 
@@ -329,7 +338,8 @@ def _context(conn: Any, own_json: bool) -> Any:
 def _prepare_for(conn: Any, statement: Statement, params: Mapping[str, Any] | None,
                  own_json: bool) -> tuple[Any, Sequence[Any]] | None:
     """The transformer and dumped values for a run under the cursor; None: use one."""
-    if not DIRECT or not statement.dollar or conn.closed:
+    if not DIRECT or not statement.dollar or conn.closed or \
+            getattr(conn, "_prepared", None) is None:
         return None
     params = params or {}
     try:
@@ -373,10 +383,16 @@ def _settle(conn: Any, statement: Statement, plan: _Plan, tx: Any, results: list
         return _first_error(conn, results) or psycopg.OperationalError(
             "the connection ended before the statement's result")
     res = results[plan.at]
-    if plan.prep is not _NO:
-        key = manager.maybe_add_to_cache(plan.key, plan.prep, plan.name)
-        if key is not None:
-            manager.validate(key, plan.prep, plan.name, [res])
+    if plan.prep is _SHOULD:
+        # Cached only if the server prepared it (psycopg, outside pipeline mode, never
+        # gets this far with a failed PREPARE); kept then, whatever became of the run.
+        prepared = results[plan.at - 1]
+        if prepared.status == _COMMAND_OK:
+            key = manager.maybe_add_to_cache(plan.key, plan.prep, plan.name)
+            if key is not None:
+                manager.validate(key, plan.prep, plan.name, [prepared])
+    elif plan.prep is not _NO:
+        manager.maybe_add_to_cache(plan.key, plan.prep, plan.name)  # recently used
     error = _first_error(conn, results)
     if error is not None:
         if error.sqlstate == _NO_STATEMENT:
@@ -387,8 +403,9 @@ def _settle(conn: Any, statement: Statement, plan: _Plan, tx: Any, results: list
 
 def _cut_off(conn: Any) -> bool:
     """Whether an exchange cut off mid-way (a timeout, an interrupt, a lost server) left
-    a pipeline open: the protocol's state is unknown, the connection must be closed."""
-    return not conn.closed and conn.pgconn.pipeline_status != _PIPELINE_OFF
+    a pipeline open or the session ended: the connection must be closed (its protocol
+    state is unknown; a closed one is finished at once, not at garbage collection)."""
+    return bool(conn.pgconn.status == _BAD or conn.pgconn.pipeline_status != _PIPELINE_OFF)
 
 
 def _rollback(pgconn: Any) -> PQGen[list[Any]]:
@@ -412,6 +429,13 @@ def _outcome(conn: Any, statement: Statement, plan: _Plan, tx: Any, results: lis
     return None
 
 
+def _flush_first(conn: Any) -> bool:
+    """Whether psycopg has DEALLOCATEs queued (its LRU's evictions, or the DEALLOCATE
+    ALL of a `clear()`: `_outcome`'s). psycopg sends them at its next cursor statement,
+    which could come after we prepared again under its names: they go first."""
+    return bool(conn._prepared._to_flush) and bool(_usable(conn))
+
+
 def _send(conn: Any, statement: Statement, tx: Any, values: Sequence[Any], commit: bool
           ) -> tuple[_Plan, PQGen[list[Any]]] | None:
     """The plan and the exchange of one try; None: not now, use a cursor."""
@@ -428,6 +452,8 @@ def _run_sync(conn: Any, statement: Statement, tx: Any, values: Sequence[Any],
     None: the connection is not in a state for it (use a cursor)."""
     with conn.lock:
         for attempt in range(2):
+            if _flush_first(conn):
+                conn.wait(conn._prepared.maintain_gen(conn))
             sending = _send(conn, statement, tx, values, commit)
             if sending is None:
                 return None
@@ -451,6 +477,8 @@ async def _run_async(conn: Any, statement: Statement, tx: Any, values: Sequence[
     """`_run_sync` on a psycopg AsyncConnection."""
     async with conn.lock:
         for attempt in range(2):
+            if _flush_first(conn):
+                await conn.wait(conn._prepared.maintain_gen(conn))
             sending = _send(conn, statement, tx, values, commit)
             if sending is None:
                 return None

@@ -246,6 +246,13 @@ def _ring_after_commit(target: Any, queues: set[str]) -> None:
     register(ring)
 
 
+def rings_registered(owner: Any) -> int:
+    """How many `commit` listeners of ours `owner` holds (0 or 1): the doorbell's, which
+    runs no SQL (IdempotencyGuard may then still send its COMMIT early)."""
+    with _pending_lock:
+        return 1 if owner in _pending else 0
+
+
 def _ring(queues: set[str], where: Where | None = None) -> None:
     for queue in sorted(queues):
         for bell in list(_doorbells):

@@ -231,12 +231,15 @@ def _may_commit_early(conn: Any) -> bool:
     """Whether run() may send its COMMIT with the key's write: on a SQLAlchemy
     Connection of its own (a psycopg `transaction()` block sends a COMMIT of its own),
     statements under the cursor (not OUTBOX_PSYCOPG_CURSOR=1), and no `commit` event
-    listener (its SQL would run after our COMMIT, outside the request's transaction)."""
+    listener but our doorbell's (its SQL would run after our COMMIT, outside the
+    request's transaction; the doorbell runs none, and is better after it)."""
     if not _driver.DIRECT or not _is_sqlalchemy(conn):
         return False
+    from outbox._enqueue import rings_registered
+
     sync = getattr(conn, "sync_connection", conn)  # an AsyncConnection's
     dispatch = getattr(sync, "dispatch", None)
-    return dispatch is not None and not dispatch.commit
+    return dispatch is not None and len(dispatch.commit) == rings_registered(sync)
 
 
 def _refused(exc: Exception, claim: Claim, merge: list[bool]) -> None:

@@ -336,3 +336,63 @@ def test_async_the_same_rows_one_round_trip_and_a_deallocated_statement(
             await conn.rollback()
 
     asyncio.run(scenario())
+
+
+def test_the_retry_after_an_unseen_deallocate_leaves_psycopgs_cache_true(
+        conn: psycopg.Connection[Any]) -> None:
+    """The retry clears psycopg's cache, which queues a DEALLOCATE ALL psycopg sends at
+    its next statement: it must go before ours prepare again, not after (it would drop
+    them, and a statement inside the caller's transaction would then fail)."""
+    db = SyncDB(conn)
+    one = sql("SELECT CAST(:x AS int) + 1 AS y")
+    two = sql("SELECT CAST(:x AS int) + 2 AS y")
+    assert db.execute(one, {"x": 1}).one().y == 2
+    conn.commit()
+    _deallocate_unseen(conn)
+    assert db.execute(one, {"x": 1}).one().y == 2  # 26000, cleared, prepared again
+    conn.commit()
+    for _ in range(2):  # psycopg's own statements, and ours inside a transaction
+        conn.execute("SELECT 1")
+        assert db.execute(two, {"x": 1}).one().y == 3
+        assert db.execute(one, {"x": 1}).one().y == 2
+        conn.commit()
+    with conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_prepared_statements")
+        on_server = cur.fetchone()
+    assert on_server is not None and on_server[0] == len(conn._prepared._names)
+
+
+def test_a_prepare_that_failed_is_not_taken_for_prepared(
+        conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """psycopg counts a query's runs before it prepares it: our PREPARE of a query its
+    cursor ran, failing, must not leave the name in its cache."""
+    conn.autocommit = True
+    conn.execute("CREATE TABLE t_gone (x int)")
+    db = SyncDB(conn)
+    read = sql("SELECT x FROM t_gone WHERE x = :x")
+    monkeypatch.setattr(_driver, "DIRECT", False)
+    db.execute(read, {"x": 1})  # counted by psycopg, not prepared
+    monkeypatch.setattr(_driver, "DIRECT", True)
+    conn.execute("DROP TABLE t_gone")
+    with pytest.raises(psycopg.errors.UndefinedTable):
+        db.execute(read, {"x": 1})
+    conn.execute("CREATE TABLE t_gone (x int)")
+    try:
+        with conn.transaction():
+            assert db.execute(read, {"x": 1}).rows == []
+    finally:
+        conn.execute("DROP TABLE t_gone")
+
+
+def test_a_session_the_server_ends_raises_its_reason(
+        conn: psycopg.Connection[Any]) -> None:
+    """A FATAL in the middle of a pipelined exchange is the error raised (psycopg's own
+    cursor raises it too), and the connection is closed, not left half-way."""
+    conn.execute("SET idle_in_transaction_session_timeout = '100ms'")
+    conn.execute("SELECT 1")  # in a transaction, idle
+    import time
+
+    time.sleep(0.5)  # the server ends the session, with a FATAL on the socket
+    with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
+        SyncDB(conn).execute(sql("SELECT CAST(:x AS int) AS fresh_statement"), {"x": 1})
+    assert conn.closed

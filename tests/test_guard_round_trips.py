@@ -193,3 +193,32 @@ def test_the_refusal_is_a_sqlstate_of_its_own(one_connection: Engine) -> None:
     assert "not committed: an effect key existed" in str(orig)
     with one_connection.connect() as conn:
         assert conn.execute(text("SELECT outbox.require(true, 'OB001', 'x')")).scalar_one()
+
+
+def test_the_doorbells_listener_keeps_the_commit_with_the_write(
+        one_connection: Engine, tmp_path: Path) -> None:
+    """With an in-process doorbell (Celery's, Django's), `enqueue` on a Connection rings
+    at its `commit` event: a listener of ours that runs no SQL, so the COMMIT still
+    rides with the key's write, and the bell still rings after it."""
+    from outbox._enqueue import add_doorbell, remove_doorbell
+
+    rang: list[str] = []
+    guard = IdempotencyGuard()
+
+    def enqueue_now(conn: Connection, claim: Claim) -> StoredResponse:
+        conn.execute(text("INSERT INTO test_orders (key, amount) VALUES (:k, 1)"),
+                     {"k": claim.key})
+        enqueue(conn, "psp.charge", {"n": 1}, claim=claim, queue="bells")
+        return StoredResponse(201)
+
+    def guarded() -> None:
+        guard.run(one_connection, "rt", uuid.uuid4().hex, "fp", enqueue_now)
+
+    add_doorbell(rang.append)
+    try:
+        guarded()
+        # BEGIN + lock and read, INSERT, the enqueue, the key's write + COMMIT
+        assert round_trips(one_connection, guarded, tmp_path) == 4
+    finally:
+        remove_doorbell(rang.append)
+    assert rang == ["bells", "bells"]
