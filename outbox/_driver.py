@@ -430,10 +430,30 @@ def _outcome(conn: Any, statement: Statement, plan: _Plan, tx: Any, results: lis
 
 
 def _flush_first(conn: Any) -> bool:
-    """Whether psycopg has DEALLOCATEs queued (its LRU's evictions, or the DEALLOCATE
-    ALL of a `clear()`: `_outcome`'s). psycopg sends them at its next cursor statement,
-    which could come after we prepared again under its names: they go first."""
-    return bool(conn._prepared._to_flush) and bool(_usable(conn))
+    """Whether psycopg's queued DEALLOCATEs go before our statement.
+
+    A queued DEALLOCATE ALL (the `clear()` of `_outcome`'s 26000) must: psycopg sends
+    it at its next cursor statement, which could come after we prepared again under
+    its names. It cannot fail, in a transaction or out. The names its LRU evicted go
+    only where no transaction of the caller's is open (a `DEALLOCATE name` of a
+    statement already gone fails, libpq < 17): on a connection that runs only ours
+    (a worker's) nothing else would send them, and the server's statements would grow.
+    """
+    queued = conn._prepared._to_flush
+    if not queued or not _usable(conn):
+        return False
+    return None in queued or conn.pgconn.transaction_status == _IDLE
+
+
+def _flush(conn: Any) -> PQGen[None]:
+    """psycopg's queued DEALLOCATEs; one of a name already gone (26000, outside any
+    transaction: nothing lost) clears psycopg's cache and sends DEALLOCATE ALL."""
+    manager = conn._prepared
+    try:
+        yield from manager.maintain_gen(conn)
+    except psycopg.errors.InvalidSqlStatementName:
+        manager.clear()
+        yield from manager.maintain_gen(conn)
 
 
 def _send(conn: Any, statement: Statement, tx: Any, values: Sequence[Any], commit: bool
@@ -453,7 +473,7 @@ def _run_sync(conn: Any, statement: Statement, tx: Any, values: Sequence[Any],
     with conn.lock:
         for attempt in range(2):
             if _flush_first(conn):
-                conn.wait(conn._prepared.maintain_gen(conn))
+                conn.wait(_flush(conn))
             sending = _send(conn, statement, tx, values, commit)
             if sending is None:
                 return None
@@ -464,6 +484,8 @@ def _run_sync(conn: Any, statement: Statement, tx: Any, values: Sequence[Any],
                 if _cut_off(conn):
                     conn.close()
                 raise
+            if conn.pgconn.status == _BAD:  # the server ended the session (its FATAL):
+                conn.pgconn.finish()  # free it now (psycopg's close() skips a BAD one)
             done = _outcome(conn, statement, plan, tx, results, attempt)
             if done is not None:
                 return done
@@ -478,7 +500,7 @@ async def _run_async(conn: Any, statement: Statement, tx: Any, values: Sequence[
     async with conn.lock:
         for attempt in range(2):
             if _flush_first(conn):
-                await conn.wait(conn._prepared.maintain_gen(conn))
+                await conn.wait(_flush(conn))
             sending = _send(conn, statement, tx, values, commit)
             if sending is None:
                 return None
@@ -489,6 +511,8 @@ async def _run_async(conn: Any, statement: Statement, tx: Any, values: Sequence[
                 if _cut_off(conn):
                     await conn.close()
                 raise
+            if conn.pgconn.status == _BAD:
+                conn.pgconn.finish()
             done = _outcome(conn, statement, plan, tx, results, attempt)
             if done is not None:
                 return done

@@ -395,4 +395,63 @@ def test_a_session_the_server_ends_raises_its_reason(
     time.sleep(0.5)  # the server ends the session, with a FATAL on the socket
     with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
         SyncDB(conn).execute(sql("SELECT CAST(:x AS int) AS fresh_statement"), {"x": 1})
-    assert conn.closed
+    assert conn.closed and getattr(conn.pgconn, "pgconn_ptr", None) is None  # freed
+
+
+def test_async_flush_and_a_session_the_server_ends(db_url: str) -> None:
+    """The async path sends psycopg's queued DEALLOCATE ALL first too, and raises the
+    reason a server gave for ending the session, the connection finished."""
+    from outbox._driver import AsyncDB
+
+    dsn = make_url(db_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    one = sql("SELECT CAST(:x AS int) + 1 AS y")
+    two = sql("SELECT CAST(:x AS int) + 2 AS y")
+
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            db = AsyncDB(conn)
+            assert (await db.execute(one, {"x": 1})).one().y == 2
+            await conn.commit()
+            _deallocate_unseen(conn)  # type: ignore[arg-type]
+            assert (await db.execute(one, {"x": 1})).one().y == 2  # 26000, again
+            await conn.commit()
+            for _ in range(2):
+                await conn.execute("SELECT 1")
+                assert (await db.execute(two, {"x": 1})).one().y == 3
+                assert (await db.execute(one, {"x": 1})).one().y == 2
+                await conn.commit()
+            await conn.execute("SET idle_in_transaction_session_timeout = '100ms'")
+            await conn.execute("SELECT 1")
+            await asyncio.sleep(0.5)
+            with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
+                await db.execute(sql("SELECT CAST(:x AS int) AS fresh_async"), {"x": 1})
+            assert conn.closed and getattr(conn.pgconn, "pgconn_ptr", None) is None
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("close_message", [True, False], ids=["libpq17", "older_libpq"])
+def test_evicted_names_are_sent_outside_transactions_only(
+        conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch,
+        close_message: bool) -> None:
+    """psycopg's LRU evictions on a connection that runs only ours (a worker's) are
+    sent, so the server's statements stay at `prepared_max`; a DEALLOCATE of a name
+    already gone (as libpq < 17 sends it: SQL, an error where the Close message is
+    none) costs nothing outside a transaction."""
+    import psycopg._connection_base as base
+
+    monkeypatch.setattr(base, "_HAS_SEND_CLOSE",
+                        close_message and base._HAS_SEND_CLOSE)
+    conn.prepared_max = 2
+    conn.autocommit = True
+    db = SyncDB(conn)
+    for n in range(8):
+        assert db.execute(sql(f"SELECT CAST(:x AS int) + {n} AS y"), {"x": 1}).one().y \
+            == 1 + n
+    assert len(_ours(conn)) <= 3  # at most one eviction queued, not yet sent
+    _deallocate_unseen(conn)  # what psycopg believes prepared is gone, queued names too
+    for n in range(8, 12):
+        assert db.execute(sql(f"SELECT CAST(:x AS int) + {n} AS y"), {"x": 1}).one().y \
+            == 1 + n
+    assert len(_ours(conn)) <= 3
