@@ -37,7 +37,9 @@ included) in the same round trip, and one sent with `commit=True` carries the CO
 and the BEGIN and COMMIT a round trip each (issue 11; docs/architecture.md, "Round
 trips"). Anything unusual (a closed connection, a psycopg pipeline open, a transaction
 in error, a libpq without pipeline mode) takes the cursor; `OUTBOX_PSYCOPG_CURSOR=1`
-takes it always.
+takes it always. A connection that prepares nothing of its own
+(`prepare_threshold=None`, or client-side binding cursors: Django's default) runs
+ours unnamed.
 """
 
 from __future__ import annotations
@@ -364,8 +366,20 @@ class _Plan:
         self.retry = status == _IDLE
         self.commit = commit and not conn.autocommit
         self.key = _Key(statement.dollar, tx.types)
-        self.prep, self.name = conn._prepared.get(self.key, True)
+        if _client_side(conn):
+            self.prep, self.name = _NO, b""
+        else:
+            self.prep, self.name = conn._prepared.get(self.key, True)
         self.at = (self.begin is not None) + (self.prep is _SHOULD)
+
+
+def _client_side(conn: Any) -> bool:
+    """A connection whose cursors bind client-side (Django's default, `ClientCursor`)
+    prepares nothing on the server, and may sit behind a transaction pooler that would
+    lose prepared statements: ours run unnamed there too."""
+    factory = getattr(conn, "cursor_factory", None)
+    return isinstance(factory, type) and issubclass(
+        factory, psycopg.ClientCursor | psycopg.AsyncClientCursor)
 
 
 def _usable(conn: Any) -> bool:

@@ -265,6 +265,19 @@ def test_prepare_threshold_none_prepares_nothing(conn: psycopg.Connection[Any]) 
     conn.rollback()
 
 
+def test_client_side_binding_prepares_nothing(db_url: str) -> None:
+    """Django's default cursors bind client-side, so its users behind PgBouncer never
+    needed `prepare_threshold=None`: ours must not start preparing on them."""
+    dsn = make_url(db_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+    with psycopg.connect(dsn, cursor_factory=psycopg.ClientCursor) as c:
+        db = SyncDB(c, own_json=True)
+        for x in range(3):
+            assert db.execute(sql("SELECT CAST(:x AS int) AS x"), {"x": x}).one().x == x
+        assert _ours(c) == []
+        c.rollback()
+
+
 def test_an_error_in_the_first_statement_leaves_the_connection_usable(
         conn: psycopg.Connection[Any]) -> None:
     db = SyncDB(conn)
