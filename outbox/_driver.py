@@ -44,11 +44,9 @@ ours unnamed.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import weakref
-from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -60,13 +58,16 @@ from psycopg.adapt import AdaptersMap, PyFormat, Transformer
 from psycopg.rows import namedtuple_row, tuple_row
 from psycopg.types.json import JsonbLoader, JsonLoader
 
-try:  # psycopg's prepared-statement cache, shared with its cursors (see DIRECT)
+try:  # psycopg's insides we run on (see DIRECT): its prepared-statement cache, shared
+    # with its cursors, and its named-tuple row classes
     from psycopg._preparing import Prepare as _Prepare
+    from psycopg.rows import _make_nt
 
     _NO: Any = _Prepare.NO
     _SHOULD: Any = _Prepare.SHOULD
 except ImportError:  # pragma: no cover - DIRECT is False then
     _NO = _SHOULD = object()
+    _make_nt = None  # type: ignore[assignment]
 
 T = TypeVar("T")
 
@@ -186,6 +187,8 @@ def _psycopg_supports_it() -> bool:
 
         manager = PrepareManager()
         return (psycopg.capabilities.has_pipeline() and hasattr(Prepare, "SHOULD")
+                and callable(_make_nt)
+                and hasattr(psycopg.Connection, "_get_tx_start_command")
                 and all(hasattr(manager, n) for n in (
                     "get", "maybe_add_to_cache", "validate", "clear", "maintain_gen",
                     "_to_flush"))
@@ -199,21 +202,6 @@ def _psycopg_supports_it() -> bool:
 #: change (the benchmarks' A/B; a way out should a psycopg release change its insides).
 DIRECT = (os.environ.get("OUTBOX_PSYCOPG_CURSOR", "").strip().lower()
           not in ("1", "true", "yes", "on") and _psycopg_supports_it())
-
-
-def _begin_command(conn: Any) -> bytes:
-    """The BEGIN psycopg itself would send (`Connection._get_tx_start_command`)."""
-    if conn.isolation_level is None and conn.read_only is None and conn.deferrable is None:
-        return b"BEGIN"
-    parts = [b"BEGIN"]
-    if conn.isolation_level is not None:
-        level = psycopg.IsolationLevel(conn.isolation_level).name.replace("_", " ")
-        parts += [b"ISOLATION LEVEL", level.encode()]
-    if conn.read_only is not None:
-        parts.append(b"READ ONLY" if conn.read_only else b"READ WRITE")
-    if conn.deferrable is not None:
-        parts.append(b"DEFERRABLE" if conn.deferrable else b"NOT DEFERRABLE")
-    return b" ".join(parts)
 
 
 def _exchange(pgconn: Any, begin: bytes | None, name: bytes, prepare: bool,
@@ -266,26 +254,6 @@ def _exchange(pgconn: Any, begin: bytes | None, name: bytes, prepare: bool,
     return results
 
 
-@functools.lru_cache(512)
-def _row_class(encoding: str, *names: bytes) -> Any:
-    """psycopg's namedtuple_row class for these column names (same mangling)."""
-    fields = []
-    for raw in names:
-        field = raw.decode(encoding)
-        if not field.isidentifier():
-            if field[0] in "1234567890":
-                field = "f" + field
-            if not field.isidentifier():
-                field = re.sub(r"[^A-Za-z0-9_]", "_", field)
-        if field[0] == "_":
-            field = "f" + field
-        fields.append(field)
-    try:
-        return namedtuple("Row", fields)
-    except ValueError as exc:
-        raise psycopg.DataError(f"can't create a namedtuple row: {exc}") from None
-
-
 def _first_error(conn: Any, results: list[Any]) -> psycopg.Error | None:
     """The first error among the commands' results (BEGIN's, the PREPARE's, the
     statement's or the COMMIT's), as psycopg raises it."""
@@ -306,7 +274,8 @@ def _rows(conn: Any, statement: Statement, res: Any, tx: Any) -> Result:
     tx.set_pgresult(res)
     if statement.tuples:
         return Result(tx.load_rows(0, count, tuple), count)
-    row = _row_class(conn.info.encoding, *(res.fname(i) for i in range(res.nfields)))
+    # psycopg's namedtuple_row class for these columns (it needs a cursor to ask)
+    row = _make_nt(conn.info.encoding, *(res.fname(i) for i in range(res.nfields)))
     return Result(tx.load_rows(0, count, row._make), count)
 
 
@@ -360,7 +329,9 @@ class _Plan:
     def __init__(self, conn: Any, statement: Statement, tx: Any, commit: bool) -> None:
         pgconn = conn.pgconn
         status = pgconn.transaction_status
-        self.begin = None if conn.autocommit or status != _IDLE else _begin_command(conn)
+        # The BEGIN psycopg itself would send (isolation level, read-only included).
+        self.begin = None if conn.autocommit or status != _IDLE \
+            else conn._get_tx_start_command()
         # A statement of ours whose prepared form is gone fails having run nothing:
         # where nothing else was in its transaction, it is prepared again and run.
         self.retry = status == _IDLE

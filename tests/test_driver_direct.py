@@ -26,6 +26,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import _driver
 from outbox._driver import SyncDB, sql, sync_db
 from outbox.sql import keys as sql_keys
+from tests.wire_support import counting_round_trips
 
 # Every type our statements read back, NULLs included, named and by position.
 _TYPES = """
@@ -96,15 +97,10 @@ def test_rowcount_of_a_statement_without_rows(conn: psycopg.Connection[Any]) -> 
 
 
 def _round_trips(conn: psycopg.Connection[Any], run: Any, tmp: Path) -> int:
-    """ReadyForQuery messages the server sent while `run` ran: one per round trip."""
-    trace = tmp / f"trace-{uuid.uuid4().hex}"
-    with trace.open("w") as f:
-        conn.pgconn.trace(f.fileno())
-        try:
-            run()
-        finally:
-            conn.pgconn.untrace()
-    return sum("ReadyForQuery" in line for line in trace.read_text().splitlines())
+    """The round trips `run()` took on `conn` (tests/wire_support.py)."""
+    with counting_round_trips(conn.pgconn, tmp) as counted:
+        run()
+    return counted[0]
 
 
 def test_the_first_statement_of_a_transaction_carries_its_begin(
@@ -336,12 +332,9 @@ def test_async_the_same_rows_one_round_trip_and_a_deallocated_statement(
             assert (await db.execute(NAMED, params)).rows == direct.rows
             await conn.rollback()
             monkeypatch.setattr(_driver, "DIRECT", True)
-            trace = tmp_path / "async-trace"
-            with trace.open("w") as f:
-                conn.pgconn.trace(f.fileno())
+            with counting_round_trips(conn.pgconn, tmp_path) as counted:
                 await db.execute(NAMED, params)
-                conn.pgconn.untrace()
-            assert trace.read_text().count("ReadyForQuery") == 1
+            assert counted == [1]
             await conn.commit()
             assert conn.pgconn.exec_(b"DEALLOCATE ALL").status == \
                 psycopg.pq.ExecStatus.COMMAND_OK  # unseen by psycopg

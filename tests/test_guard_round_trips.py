@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy import Connection, Engine, text
 
 from outbox import Claim, IdempotencyGuard, StoredResponse, _driver, enqueue, make_engine
+from tests.wire_support import counting_round_trips
 
 
 @pytest.fixture
@@ -32,18 +33,13 @@ def one_connection(db_url: str) -> Iterator[Engine]:
 
 
 def round_trips(engine: Engine, run: Callable[[], Any], tmp: Path) -> int:
-    """ReadyForQuery messages while `run` ran on the engine's one connection."""
+    """The round trips `run()` took on the engine's one connection."""
     raw = engine.raw_connection()
     pgconn = raw.driver_connection.pgconn  # type: ignore[union-attr]
     raw.close()  # back to the pool: `run` checks it out again
-    trace = tmp / f"trace-{uuid.uuid4().hex}"
-    with trace.open("w") as f:
-        pgconn.trace(f.fileno())
-        try:
-            run()
-        finally:
-            pgconn.untrace()
-    return trace.read_text().count("ReadyForQuery")
+    with counting_round_trips(pgconn, tmp) as counted:
+        run()
+    return counted[0]
 
 
 def work(conn: Connection, claim: Claim) -> StoredResponse:

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -40,6 +40,7 @@ from outbox.errors import (
     RequestBodyTooLarge,
     RetentionTooShort,
 )
+from tests.load_support import latencies_around
 
 INSERTED, DUPLICATE, CONFLICT, STALE = (InboxOutcome.INSERTED, InboxOutcome.DUPLICATE,
                                         InboxOutcome.CONFLICT, InboxOutcome.STALE)
@@ -604,50 +605,25 @@ def test_f37_retention_under_load_does_not_block_ingestion(engine: Engine) -> No
             ingest_many(conn, [IncomingEvent("load", f"old-{i}", {"i": i})
                                for i in range(start, start + 2_000)], clock=lambda: old)
 
-    stop = threading.Event()
-    latencies: list[float] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
+    @contextmanager
+    def writer(k: int) -> Iterator[Callable[[int], None]]:
+        with connect(engine) as conn:
+            def write(i: int) -> None:
+                with conn.begin():
+                    # new events, plus redeliveries of rows the purge is deleting
+                    key = f"new-{k}-{i}" if i % 4 else f"old-{random.randrange(n_old)}"
+                    ingest(conn, "load", key, {"i": i} if i % 4 else {"i": -1})
+            yield write
 
-    def writer(k: int) -> None:
-        i = 0
-        try:
-            with connect(engine) as conn:
-                while not stop.is_set():
-                    t0 = time.perf_counter()
-                    with conn.begin():
-                        # new events, plus redeliveries of rows the purge is deleting
-                        key = f"new-{k}-{i}" if i % 4 else f"old-{random.randrange(n_old)}"
-                        ingest(conn, "load", key, {"i": i} if i % 4 else {"i": -1})
-                    with lock:
-                        latencies.append(time.perf_counter() - t0)
-                    i += 1
-        except BaseException as exc:
-            with lock:
-                errors.append(exc)
-
-    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    with lock:
-        before = len(latencies)
-        baseline = latencies[before // 3:]  # after warm-up, before the purge
-    t0 = time.perf_counter()
-    deleted = purge_inbox(engine, timedelta(days=7), batch=500)
-    purge_seconds = time.perf_counter() - t0
-    with lock:
-        during = latencies[before:]
-    stop.set()
-    for t in threads:
-        t.join()
-    assert errors == []
+    load = latencies_around(
+        writer, lambda: purge_inbox(engine, timedelta(days=7), batch=500))
+    deleted, baseline, during, purge_seconds = (
+        load.result, load.baseline, load.during, load.seconds)
     assert deleted >= n_old * 0.7  # redelivered old keys may have been re-inserted first
     assert scalar(engine, "SELECT count(*) FROM outbox.inbox"
                           " WHERE received_at < now() - interval '7 days'") == 0
     assert len(during) > 50
-    p99 = statistics.quantiles(during, n=100)[98]
-    p99_before = statistics.quantiles(baseline, n=100)[98]
+    p99, p99_before = load.p99(during), load.p99(baseline)
     print(f"\nF37 purge {deleted} rows in {purge_seconds:.2f}s (batches of 500);"
           f" ingestion before: p50 {statistics.median(baseline) * 1000:.1f} ms,"
           f" p99 {p99_before * 1000:.1f} ms; during the purge ({len(during)} writes):"

@@ -300,9 +300,9 @@ def test_f11_purging_keys_under_load_blocks_no_request(engine: Engine) -> None:
     import random
     import statistics
     import threading
-    import time
 
     from outbox.retention import RetentionPlan
+    from tests.load_support import latencies_around, steps
 
     n_old = 20_000
     with engine.begin() as conn:
@@ -319,50 +319,24 @@ def test_f11_purging_keys_under_load_blocks_no_request(engine: Engine) -> None:
         engine, SCOPE, "still-running", "fp"), Claim)
 
     guard = IdempotencyGuard()
-    stop = threading.Event()
     lock = threading.Lock()
-    latencies: list[float] = []
-    errors: list[BaseException] = []
     reused: dict[str, bool] = {}  # key -> executed anew (False: replayed)
     reuse = iter(random.sample(range(n_old), n_old))
 
-    def client(k: int) -> None:
-        i = 0
-        try:
-            while not stop.is_set():
-                if i % 4:
-                    key, fp = f"new-{k}-{i}", "fp-new"
-                else:
-                    with lock:
-                        key, fp = f"old-{next(reuse)}", "fp"
-                t0 = time.perf_counter()
-                result = guard.run(engine, SCOPE, key, fp, pay(i))
-                with lock:
-                    latencies.append(time.perf_counter() - t0)
-                    if key.startswith("old-"):
-                        reused[key] = not result.replayed
-                i += 1
-        except BaseException as exc:
+    def request(k: int, i: int) -> None:
+        if i % 4:
+            key, fp = f"new-{k}-{i}", "fp-new"
+        else:
             with lock:
-                errors.append(exc)
+                key, fp = f"old-{next(reuse)}", "fp"
+        result = guard.run(engine, SCOPE, key, fp, pay(i))
+        if key.startswith("old-"):
+            with lock:
+                reused[key] = not result.replayed
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    with lock:
-        before = len(latencies)
-        baseline = latencies[before // 3:]
-    t0 = time.perf_counter()
-    run = RetentionPlan(effects=None, inbox=None, conflicts=None, versions=None,
-                        batch=500).run(engine)
-    purge_seconds = time.perf_counter() - t0
-    with lock:
-        during = latencies[before:]
-    stop.set()
-    for t in threads:
-        t.join()
-    assert errors == []
+    plan = RetentionPlan(effects=None, inbox=None, conflicts=None, versions=None, batch=500)
+    load = latencies_around(steps(request), lambda: plan.run(engine))
+    run, during, purge_seconds = load.result, load.during, load.seconds
     with engine.connect() as conn:
         left_old = conn.execute(text(
             "SELECT count(*) FROM outbox.idempotency_keys WHERE scope = :s"
@@ -381,8 +355,7 @@ def test_f11_purging_keys_under_load_blocks_no_request(engine: Engine) -> None:
     deleted = run.deleted["idempotency_keys"]
     assert deleted >= n_old - len(reused)
     assert len(during) > 20
-    p99 = statistics.quantiles(during, n=100)[98]
-    p99_before = statistics.quantiles(baseline, n=100)[98]
+    p99, p99_before = load.p99(during), load.p99(load.baseline)
     print(f"\nF11 purge {deleted} keys in {purge_seconds:.2f}s (batches of 500) under "
           f"load; requests before: p99 {p99_before * 1000:.1f} ms; during ({len(during)}):"
           f" p50 {statistics.median(during) * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms; "
