@@ -1,8 +1,9 @@
 """The tables, as SQLAlchemy Core metadata; migrations must produce exactly this.
 
 State machines are explicit: every status column has a Python `StrEnum` and a CHECK
-constraint, and further CHECKs tie each status to the columns it needs (a lease only
-while in flight, a response only once completed). See docs/architecture.md.
+constraint that holds the status to it and ties each status to the columns it needs
+(a lease only while in flight, a response only once completed). See
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -66,6 +67,16 @@ def _in(column: str, values: type[StrEnum]) -> str:
     return f"{column} IN ({', '.join(repr(v.value) for v in values)})"
 
 
+# Each table's rules are one CHECK calling a PL/pgSQL function of these columns
+# (migration 0013): PostgreSQL re-parses and re-plans every CHECK expression for each
+# statement that writes the table, a call node is cheap to rebuild, and the function
+# keeps its compiled rules for the session (docs/architecture.md, "Row rules").
+EFFECT_RULE_COLUMNS = ("status", "effect_key", "attempts", "max_attempts", "lease_token",
+                       "lease_expires_at", "lease_owner", "delivered_at", "finished_at",
+                       "delivered_by", "delivered_started_at")
+KEY_RULE_COLUMNS = ("status", "key", "lock_token", "locked_at", "lock_expires_at",
+                    "response_status", "completed_at")
+
 TS = DateTime(timezone=True)
 NOW = text("now()")
 
@@ -91,16 +102,10 @@ idempotency_keys = Table(
     # (`same_request=`): the same request under another key is reported (migration 0005).
     Column("business_hash", Text),
     PrimaryKeyConstraint("scope", "key"),
-    CheckConstraint(_in("status", KeyStatus), name="status"),
-    CheckConstraint("length(key) BETWEEN 1 AND 255", name="key_length"),
-    CheckConstraint(
-        "(status = 'processing' AND lock_token IS NOT NULL AND locked_at IS NOT NULL"
-        " AND lock_expires_at IS NOT NULL AND response_status IS NULL"
-        " AND completed_at IS NULL)"
-        " OR (status = 'completed' AND response_status IS NOT NULL"
-        " AND completed_at IS NOT NULL AND lock_expires_at IS NULL)",
-        name="status_columns",
-    ),
+    # The rules (migration 0013, outbox.key_row_ok): status in KeyStatus; key 1-255
+    # characters; a processing row has its lock (token, taken, expiry) and no response,
+    # a completed one its response and completion time and no lock expiry.
+    CheckConstraint(f"outbox.key_row_ok({', '.join(KEY_RULE_COLUMNS)})", name="row"),
     Index("idempotency_keys_expires_at_idx", "expires_at"),
     # Phased claims only, for the console's stale-claim count (migration 0004).
     Index("idempotency_keys_processing_idx", "lock_expires_at",
@@ -146,23 +151,11 @@ effects = Table(
     Column("first_claimed_at", TS),
     # Unique through outbox.effect_keys (migration 0007), not an index here: the claim
     # and the record would add an entry to it at every update.
-    CheckConstraint(_in("status", EffectStatus), name="status"),
-    CheckConstraint("length(effect_key) BETWEEN 1 AND 255", name="effect_key_length"),
-    CheckConstraint("attempts >= 0 AND max_attempts >= 1", name="attempts"),
-    CheckConstraint(
-        "(status = 'in_flight') = (lease_token IS NOT NULL)"
-        " AND (lease_token IS NULL) = (lease_expires_at IS NULL)"
-        " AND (lease_token IS NULL) = (lease_owner IS NULL)",
-        name="lease_iff_in_flight",
-    ),
-    CheckConstraint("(status = 'delivered') = (delivered_at IS NOT NULL)", name="delivered_at"),
-    CheckConstraint("delivered_by IS NULL OR (status = 'delivered'"
-                    " AND delivered_started_at IS NOT NULL)", name="delivered_attempt"),
-    CheckConstraint(
-        "(status IN ('delivered', 'failed', 'cancelled', 'needs_review'))"
-        " = (finished_at IS NOT NULL)",
-        name="finished_at",
-    ),
+    # The rules (migration 0013, outbox.effect_row_ok): status in EffectStatus; key
+    # 1-255 characters; attempts >= 0, max_attempts >= 1; a lease (token, owner,
+    # expiry, all or none) iff in flight; delivered_at iff delivered; the delivered
+    # attempt's columns only on a delivered row; finished_at iff finished.
+    CheckConstraint(f"outbox.effect_row_ok({', '.join(EFFECT_RULE_COLUMNS)})", name="row"),
     # The claim's hot path: due pending rows per queue, oldest first.
     Index(
         "effects_pending_idx",

@@ -62,50 +62,111 @@ def _insert_effect(engine: Engine, **cols: object) -> None:
         conn.execute(text(f"INSERT INTO outbox.effects ({names}) VALUES ({values})"), base)
 
 
-@pytest.mark.parametrize("cols", [
-    {"status": "sent"},                                      # not a state
-    {"status": "in_flight"},                                 # in flight without a lease
-    {"status": "pending", "lease_token": uuid.uuid4()},      # a lease while pending
-    {"status": "delivered"},                                 # delivered without a time
-    {"status": "failed"},                                    # finished without a time
-    {"effect_key": ""},                                      # empty key
-    {"effect_key": "x" * 256},                               # over the receivers' limit
-    {"max_attempts": 0},
+def _refused(refused: pytest.ExceptionInfo[IntegrityError], constraint: str, rule: str
+             ) -> None:
+    """A broken rule is check_violation naming the table's CHECK and the rule."""
+    error = refused.value.orig
+    assert getattr(error, "sqlstate", None) == "23514", error
+    assert error.diag.constraint_name == constraint  # type: ignore[union-attr]
+    assert f'violates check constraint "{constraint}", rule "{rule}"' in str(error)
+
+
+@pytest.mark.parametrize(("cols", "rule"), [
+    ({"status": "sent"}, "status"),                                  # not a state
+    ({"status": "in_flight"}, "lease_iff_in_flight"),                # without a lease
+    ({"status": "pending", "lease_token": uuid.uuid4()}, "lease_iff_in_flight"),
+    ({"status": "in_flight", "lease_token": uuid.uuid4(),            # half a lease
+      "lease_expires_at": "2030-01-01T00:00:00Z"}, "lease_iff_in_flight"),
+    ({"status": "delivered"}, "delivered_at"),                       # without a time
+    ({"status": "failed"}, "finished_at"),                           # finished, no time
+    ({"status": "pending", "finished_at": "2030-01-01T00:00:00Z"}, "finished_at"),
+    ({"effect_key": ""}, "effect_key_length"),                       # empty key
+    ({"effect_key": "x" * 256}, "effect_key_length"),                # over the limit
+    ({"max_attempts": 0}, "attempts"),
+    ({"attempts": -1}, "attempts"),
     # the delivered attempt kept on the row (0006): only on a delivered row, with its start
-    {"delivered_by": "w", "delivered_started_at": "2030-01-01T00:00:00Z"},
-    {"status": "delivered", "delivered_at": "2030-01-01T00:00:00Z",
-     "finished_at": "2030-01-01T00:00:00Z", "delivered_by": "w"},
+    ({"delivered_by": "w", "delivered_started_at": "2030-01-01T00:00:00Z"},
+     "delivered_attempt"),
+    ({"status": "delivered", "delivered_at": "2030-01-01T00:00:00Z",
+      "finished_at": "2030-01-01T00:00:00Z", "delivered_by": "w"}, "delivered_attempt"),
 ])
-def test_effect_state_machine_checks(engine: Engine, cols: dict[str, object]) -> None:
-    with pytest.raises(IntegrityError):
+def test_effect_state_machine_checks(engine: Engine, cols: dict[str, object], rule: str
+                                     ) -> None:
+    with pytest.raises(IntegrityError) as refused:
         _insert_effect(engine, **cols)
+    _refused(refused, "effects_row_check", rule)
+
+
+def test_effect_rules_hold_on_update(engine: Engine) -> None:
+    """The CHECK is evaluated on every write, as the seven it replaced were."""
+    key = uuid.uuid4().hex
+    _insert_effect(engine, effect_key=key)
+    with pytest.raises(IntegrityError) as refused, engine.begin() as conn:
+        conn.execute(text("UPDATE outbox.effects SET status = 'in_flight'"
+                          " WHERE effect_key = :k"), {"k": key})
+    _refused(refused, "effects_row_check", "lease_iff_in_flight")
+
+
+_FINISHED = {"finished_at": "2030-01-01T00:00:00Z"}
+_VALID_ROWS: dict[EffectStatus, dict[str, object]] = {
+    EffectStatus.PENDING: {},
+    EffectStatus.IN_FLIGHT: {"lease_token": uuid.uuid4(), "lease_owner": "w",
+                             "lease_expires_at": "2030-01-01T00:00:00Z"},
+    EffectStatus.DELIVERED: {"delivered_at": "2030-01-01T00:00:00Z", **_FINISHED,
+                             "delivered_by": "w",
+                             "delivered_started_at": "2030-01-01T00:00:00Z"},
+    EffectStatus.FAILED: _FINISHED,
+    EffectStatus.CANCELLED: _FINISHED,
+    EffectStatus.NEEDS_REVIEW: _FINISHED,
+}
 
 
 def test_effect_valid_states_accepted(engine: Engine) -> None:
-    _insert_effect(engine)
-    _insert_effect(engine, status="in_flight", lease_token=uuid.uuid4(),
-                   lease_owner="w", lease_expires_at="2030-01-01T00:00:00Z")
-    _insert_effect(engine, status="delivered", delivered_at="2030-01-01T00:00:00Z",
-                   finished_at="2030-01-01T00:00:00Z")
+    """Every status of the Python enum is one the database accepts (and no other is:
+    test_effect_state_machine_checks), each with the columns it needs."""
+    assert set(_VALID_ROWS) == set(EffectStatus)
+    queue = f"valid-{uuid.uuid4().hex[:8]}"
+    for status, cols in _VALID_ROWS.items():
+        _insert_effect(engine, status=status.value, queue=queue, **cols)
     with engine.connect() as conn:
-        statuses = set(conn.execute(text("SELECT status FROM outbox.effects")).scalars())
-    assert statuses == {"pending", "in_flight", "delivered"}
-    assert statuses <= {s.value for s in EffectStatus}
+        statuses = set(conn.execute(text("SELECT status FROM outbox.effects WHERE queue = :q"),
+                                    {"q": queue}).scalars())
+    assert statuses == {s.value for s in EffectStatus}
 
 
-@pytest.mark.parametrize("sql", [
-    # processing without a token, completed without a response
-    "INSERT INTO outbox.idempotency_keys (scope, key, fingerprint, status, expires_at)"
-    " VALUES ('s', 'k', 'f', 'processing', now())",
-    "INSERT INTO outbox.idempotency_keys (scope, key, fingerprint, status, expires_at)"
-    " VALUES ('s', 'k', 'f', 'completed', now())",
-    "INSERT INTO outbox.idempotency_keys (scope, key, fingerprint, status, expires_at)"
-    " VALUES ('s', 'k', 'f', 'unknown', now())",
+_KEY_INSERT = ("INSERT INTO outbox.idempotency_keys (scope, key, fingerprint, status,"
+               " expires_at) VALUES ('s', :key, 'f', :status, now())")
+
+
+@pytest.mark.parametrize(("key", "status", "rule"), [
+    ("k", "processing", "status_columns"),   # processing without a token
+    ("k", "completed", "status_columns"),    # completed without a response
+    ("k", "unknown", "status"),
+    ("", "completed", "key_length"),
 ])
-def test_key_state_machine_checks(engine: Engine, sql: str) -> None:
+def test_key_state_machine_checks(engine: Engine, key: str, status: str, rule: str) -> None:
     assert {s.value for s in KeyStatus} == {"processing", "completed"}
-    with pytest.raises(IntegrityError), engine.begin() as conn:
-        conn.execute(text(sql))
+    with pytest.raises(IntegrityError) as refused, engine.begin() as conn:
+        conn.execute(text(_KEY_INSERT), {"key": key, "status": status})
+    _refused(refused, "idempotency_keys_row_check", rule)
+
+
+def test_key_valid_states_accepted(engine: Engine) -> None:
+    scope = f"valid-{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO outbox.idempotency_keys (scope, key, fingerprint, status, lock_token,"
+            " locked_at, lock_expires_at, expires_at) VALUES (:s, 'p', 'f', :st, :t, now(),"
+            " now(), now())"), {"s": scope, "st": KeyStatus.PROCESSING.value,
+                                "t": uuid.uuid4()})
+        conn.execute(text(
+            "INSERT INTO outbox.idempotency_keys (scope, key, fingerprint, status,"
+            " response_status, completed_at, expires_at) VALUES (:s, 'c', 'f', :st, 201,"
+            " now(), now())"), {"s": scope, "st": KeyStatus.COMPLETED.value})
+        statuses = set(conn.execute(text(
+            "SELECT status FROM outbox.idempotency_keys WHERE scope = :s"), {"s": scope}
+        ).scalars())
+    assert statuses == {s.value for s in KeyStatus}
 
 
 def test_0008_triggers_and_its_downgrade_round_trip(db_url: str) -> None:

@@ -27,6 +27,7 @@ MIGRATIONS: tuple[tuple[str, str], ...] = (
     ("0007_watched_doorbell", "0010"),
     ("0008_first_claimed_at", "0011"),
     ("0009_require", "0012"),
+    ("0010_row_checks", "0013"),
 )
 
 
