@@ -107,7 +107,7 @@ def test_effect_rules_hold_on_update(engine: Engine) -> None:
     _refused(refused, "effects_row_check", "lease_iff_in_flight")
 
 
-_FINISHED = {"finished_at": "2030-01-01T00:00:00Z"}
+_FINISHED: dict[str, object] = {"finished_at": "2030-01-01T00:00:00Z"}
 _VALID_ROWS: dict[EffectStatus, dict[str, object]] = {
     EffectStatus.PENDING: {},
     EffectStatus.IN_FLIGHT: {"lease_token": uuid.uuid4(), "lease_owner": "w",
