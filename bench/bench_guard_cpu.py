@@ -2,7 +2,7 @@
 """Client CPU per guarded request, one thread, against any checkout: prints ONE JSON line.
 
     uv run python bench/bench_guard_cpu.py [--tree PATH] [--requests 300] [--blocks 8]
-                                           [--cursor]
+                                           [--cursor] [--against URL]
 
 `--tree` is a checkout (a `git worktree` of an older commit, say) whose `outbox` package
 is imported instead of this one, so two trees can be compared in one sitting; give each
@@ -16,7 +16,10 @@ False`, as `OUTBOX_PSYCOPG_CURSOR=1`; session 11's A/B), in the same blocks. Per
 variant the median over the blocks of process time per request (this process:
 Python, psycopg, the kernel's socket work), of PostgreSQL's CPU per request (every
 `postgres` process on this host, from /proc) and of wall time per request, and bare
-/ variant for each.
+/ variant for each. `--against URL` runs each variant a second time, in the same
+blocks, on another database left at whatever schema revision it is (`<variant>@b`):
+two revisions of the schema with the same code (session 12: the row rules, migration
+0013, against 0012). This database is migrated to head; that one is not touched.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--cursor", action="store_true",
                         help="add `deferred_cursor`: statements through psycopg's cursor")
+    parser.add_argument("--against", metavar="URL",
+                        help="run each variant on this database too (not migrated)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(args.tree).resolve()))
 
@@ -57,15 +62,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from outbox._migrate import upgrade
 
     upgrade(database_url())
-    engine = make_engine()
     table = f"bench_guard_cpu_{uuid.uuid4().hex[:8]}"
     scope = f"bench-cpu:{table}"
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, key text NOT NULL,"
-                          " amount int NOT NULL)"))
-    insert = text(f"INSERT INTO {table} (key, amount) VALUES (:k, :a) RETURNING id")
     guard = IdempotencyGuard()
     body = {"amount": 42, "currency": "EUR", "customer": "bench"}
+    engines = [make_engine()] + ([make_engine(url=args.against)] if args.against else [])
+    for engine in engines:
+        with engine.begin() as conn:
+            conn.execute(text(f"CREATE TABLE {table} (id bigserial PRIMARY KEY,"
+                              " key text NOT NULL, amount int NOT NULL)"))
+    insert = text(f"INSERT INTO {table} (key, amount) VALUES (:k, :a) RETURNING id")
 
     def work(key: str, deferred: bool) -> Callable[[Any, Any], StoredResponse]:
         def run(conn: Any, claim: Any) -> StoredResponse:
@@ -80,22 +86,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   json.dumps({"id": order_id}).encode())
         return run
 
-    def bare() -> None:
-        with engine.begin() as conn:
-            conn.execute(insert, {"k": uuid.uuid4().hex, "a": 42}).scalar_one()
+    def on(engine: Any) -> dict[str, Callable[[], None]]:
+        def bare() -> None:
+            with engine.begin() as conn:
+                conn.execute(insert, {"k": uuid.uuid4().hex, "a": 42}).scalar_one()
 
-    def guarded(deferred: bool = False) -> None:
-        key = uuid.uuid4().hex
-        guard.run(engine, scope, key, fingerprint("POST", "/orders", body), work(key, deferred))
+        def guarded(deferred: bool = False) -> None:
+            key = uuid.uuid4().hex
+            guard.run(engine, scope, key, fingerprint("POST", "/orders", body),
+                      work(key, deferred))
 
-    variants: dict[str, Callable[[], None]] = {"bare": bare, "guarded": guarded}
-    if hasattr(Claim, "enqueue_many"):
-        variants["deferred"] = lambda: guarded(True)
+        found: dict[str, Callable[[], None]] = {"bare": bare, "guarded": guarded}
+        if hasattr(Claim, "enqueue_many"):
+            found["deferred"] = lambda: guarded(True)
+        return found
+
+    variants = on(engines[0])
+    if args.against:
+        variants.update({f"{name}@b": fn for name, fn in on(engines[1]).items()})
     direct = {name: True for name in variants}
     if args.cursor:
         from outbox import _driver
 
-        variants["deferred_cursor"] = lambda: guarded(True)
+        variants["deferred_cursor"] = variants["deferred"]
         direct["deferred_cursor"] = False
 
         def switch(name: str) -> None:
@@ -125,12 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 server[name].append((postgres_cpu_seconds() - pg0) / args.requests)
                 wall[name].append((time.perf_counter() - w0) / args.requests)
     finally:
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
-            conn.execute(text("DELETE FROM outbox.effects WHERE queue = :q"), {"q": scope})
-            conn.execute(text("DELETE FROM outbox.idempotency_keys WHERE scope = :s"),
-                         {"s": scope})
-        engine.dispose()
+        for engine in engines:
+            with engine.begin() as conn:
+                conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
+                conn.execute(text("DELETE FROM outbox.effects WHERE queue = :q"),
+                             {"q": scope})
+                conn.execute(text("DELETE FROM outbox.idempotency_keys WHERE scope = :s"),
+                             {"s": scope})
+            engine.dispose()
     medians = {name: statistics.median(values) for name, values in per.items()}
     pg = {name: statistics.median(values) for name, values in server.items()}
     walls = {name: statistics.median(values) for name, values in wall.items()}
@@ -140,11 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         report[f"{name}_cpu_ms"] = round(value * 1000, 3)
         report[f"{name}_postgres_ms"] = round(pg[name] * 1000, 3)
         report[f"{name}_wall_ms"] = round(walls[name] * 1000, 3)
-        if name != "bare":
-            report[f"bare_over_{name}"] = round(medians["bare"] / value, 3)
+        bare = "bare@b" if name.endswith("@b") else "bare"
+        if name != bare:
+            report[f"{bare}_over_{name}"] = round(medians[bare] / value, 3)
             both = value + pg[name]
-            report[f"bare_over_{name}_box"] = round(
-                (medians["bare"] + pg["bare"]) / both, 3) if both else None
+            report[f"{bare}_over_{name}_box"] = round(
+                (medians[bare] + pg[bare]) / both, 3) if both else None
     print(json.dumps(report), flush=True)
     return 0
 
