@@ -17,6 +17,10 @@ Sections
   enqueue  business transactions per second from C client processes, each
            `BEGIN; INSERT INTO bench_orders ...; enqueue_many(conn, [Effect]); COMMIT`
            (one effect per transaction: the same unit as pgbench_outbox.py enqueue).
+           In the same runs, interleaved, the same clients with a hand-rolled outbox
+           instead (`by: "raw"`): the business INSERT and an INSERT into pgbench's own
+           outbox table, both through SQLAlchemy as ours: what a user's own outbox costs
+           in the same Python stack (ratio enqueue_Nc_vs_python_raw).
   latency  one worker (concurrency = max_batch = 10) already running; this process
            enqueues a steady R effects/s (one per business transaction) carrying
            time.time() taken just before enqueue_many. Reported: enqueue -> handler start
@@ -280,6 +284,7 @@ class Scratch:
             c.execute("CREATE TABLE public.bench_orders (id bigserial PRIMARY KEY,"
                       " customer int NOT NULL, amount numeric(12,2) NOT NULL,"
                       " created_at timestamptz NOT NULL DEFAULT now())")
+            c.execute(HAND_ROLLED_OUTBOX)
         _migrate.upgrade(self.url)
         self._held = self._connect(self.dsn)  # one connection for the whole run
 
@@ -301,7 +306,7 @@ class Scratch:
         """Empty tables, prefill due effects (untimed), VACUUM ANALYZE, CHECKPOINT."""
         with self.conn() as c:
             c.execute("TRUNCATE outbox.attempts, outbox.effect_keys, outbox.effects,"
-                      " public.bench_orders"
+                      " public.bench_orders, public.bench_outbox"
                       " RESTART IDENTITY")
             if prefill:
                 c.execute(
@@ -511,8 +516,22 @@ def worker_main(argv: Sequence[str]) -> int:
     return 0
 
 
+# pgbench_outbox.py's outbox table (shared/bench), for the hand-rolled reference.
+HAND_ROLLED_OUTBOX = """
+CREATE TABLE public.bench_outbox (
+  id bigserial PRIMARY KEY, topic text NOT NULL, payload jsonb NOT NULL,
+  status text NOT NULL DEFAULT 'pending', attempts int NOT NULL DEFAULT 0,
+  created_at timestamptz NOT NULL DEFAULT now(), claimed_at timestamptz,
+  delivered_at timestamptz);
+CREATE INDEX bench_outbox_pending_idx ON public.bench_outbox (id) WHERE status = 'pending';
+CREATE INDEX bench_outbox_inflight_idx ON public.bench_outbox (claimed_at)
+  WHERE status = 'in_flight';
+"""
+
+
 def enqueue_client_main(argv: Sequence[str]) -> int:
-    """Child: business transactions with one enqueue_many each, for `seconds` after go."""
+    """Child: business transactions with one enqueue_many each (`argv[0]` "raw": one
+    INSERT into the hand-rolled outbox table instead), for `seconds` after go."""
     from sqlalchemy import text
     from sqlalchemy.exc import DBAPIError
 
@@ -522,6 +541,9 @@ def enqueue_client_main(argv: Sequence[str]) -> int:
     engine = make_engine(application_name="bench-client", pool_size=1, max_overflow=0)
     insert = text("INSERT INTO public.bench_orders (customer, amount) VALUES (:c, 10.00)"
                   " RETURNING id")
+    hand_rolled = text("INSERT INTO public.bench_outbox (topic, payload) VALUES"
+                       " ('order.created', CAST(:p AS jsonb))")
+    raw = bool(argv) and argv[0] == "raw"
     _warm(engine)
     emit({"ready": True, "pid": os.getpid()})
     for msg in _read_lines(sys.stdin):
@@ -535,8 +557,11 @@ def enqueue_client_main(argv: Sequence[str]) -> int:
             try:
                 with engine.begin() as conn:
                     order_id = conn.execute(insert, {"c": i % 100000}).scalar_one()
-                    enqueue_many(conn, [Effect(NOOP, {"order_id": order_id,
-                                                      "customer": i % 100000})])
+                    payload = {"order_id": order_id, "customer": i % 100000}
+                    if raw:
+                        conn.execute(hand_rolled, {"p": json.dumps(payload)})
+                    else:
+                        enqueue_many(conn, [Effect(NOOP, payload)])
             except DBAPIError:  # a shared server: "too many clients" now and then
                 errors += 1
                 time.sleep(0.05)
@@ -658,40 +683,46 @@ class Bench:
     # -- enqueue ----------------------------------------------------------------------
 
     def enqueue(self) -> None:
+        tables = {"outbox": "outbox.effects", "raw": "public.bench_outbox"}
         for clients in self.args.clients:
-            runs: list[dict[str, Any]] = []
-            kids = spawn(clients, "_enqueue", self.db.url, "client")
-            roles = {k.pid: "client" for k in kids}
+            runs: dict[str, list[dict[str, Any]]] = {by: [] for by in tables}
+            kids = {by: spawn(clients, "_enqueue", self.db.url, "client", [by])
+                    for by in tables}
+            roles = {k.pid: "client" for group in kids.values() for k in group}
             try:
                 for _ in range(self.args.runs):
-                    self.db.reset()
-                    pre_busy = wait_quiet(timeout=self.args.quiet_timeout)
-                    load0 = load()
-                    mon = CpuMonitor(DB, roles).start()
-                    for k in kids:
-                        k.send({"cmd": "go", "seconds": self.args.duration})
-                    got = [k.recv(self.args.duration + 60) for k in kids]
-                    cpu = mon.stop()
-                    with self.db.conn() as c:
-                        rows = int(c.execute("SELECT count(*) FROM outbox.effects")
-                                   .fetchone()[0])
-                    tx = sum(g["transactions"] for g in got)
-                    el = max(g["elapsed_s"] for g in got)
-                    assert tx == rows, (tx, rows)
-                    runs.append({"rate": round(tx / el, 1), "cpu": cpu, "pre_busy": pre_busy,
-                                 "load": load0, "transactions": tx})
+                    for by, table in tables.items():  # interleaved, run by run
+                        self.db.reset()
+                        pre_busy = wait_quiet(timeout=self.args.quiet_timeout)
+                        load0 = load()
+                        mon = CpuMonitor(DB, roles).start()
+                        for k in kids[by]:
+                            k.send({"cmd": "go", "seconds": self.args.duration})
+                        got = [k.recv(self.args.duration + 60) for k in kids[by]]
+                        cpu = mon.stop()
+                        with self.db.conn() as c:
+                            rows = int(c.execute(f"SELECT count(*) FROM {table}")
+                                       .fetchone()[0])
+                        tx = sum(g["transactions"] for g in got)
+                        el = max(g["elapsed_s"] for g in got)
+                        assert tx == rows, (by, tx, rows)
+                        runs[by].append({"rate": round(tx / el, 1), "cpu": cpu,
+                                         "pre_busy": pre_busy, "load": load0,
+                                         "transactions": tx})
             finally:
-                close_all(kids)
-            rates = [r["rate"] for r in runs]
-            med = statistics.median(rates)
-            mr = min(runs, key=lambda r: abs(r["rate"] - med))
-            row = {"bench": "outbox_dispatch", "section": "enqueue", "clients": clients,
-                   "effects_per_tx": 1, "rate_median": med, "rates": rates,
-                   "transactions": mr["transactions"], "cpu_median_run": mr["cpu"],
-                   "bottleneck": bottleneck(mr["cpu"]),
-                   "pre_busy": [r["pre_busy"] for r in runs], "load": mr["load"]}
-            self.results.append(row)
-            emit(row)
+                for group in kids.values():
+                    close_all(group)
+            for by, done in runs.items():
+                rates = [r["rate"] for r in done]
+                med = statistics.median(rates)
+                mr = min(done, key=lambda r: abs(r["rate"] - med))
+                row = {"bench": "outbox_dispatch", "section": "enqueue", "by": by,
+                       "clients": clients, "effects_per_tx": 1, "rate_median": med,
+                       "rates": rates, "transactions": mr["transactions"],
+                       "cpu_median_run": mr["cpu"], "bottleneck": bottleneck(mr["cpu"]),
+                       "pre_busy": [r["pre_busy"] for r in done], "load": mr["load"]}
+                self.results.append(row)
+                emit(row)
 
     # -- latency ----------------------------------------------------------------------
 
@@ -863,7 +894,16 @@ class Bench:
                 ratios["best_vs_ceiling_4c"] = round(best / ceil4, 2)
             out["ratios"] = ratios
         for r in self.results:
-            if r["section"] == "enqueue":
+            if r["section"] == "enqueue" and r.get("by") == "raw":
+                out[f"enqueue_raw_{r['clients']}c"] = r["rate_median"]
+                library = next((o["rate_median"] for o in self.results
+                                if o["section"] == "enqueue" and o.get("by") == "outbox"
+                                and o["clients"] == r["clients"]), None)
+                if library:
+                    out.setdefault("ratios", {})[
+                        f"enqueue_{r['clients']}c_vs_python_raw"] = \
+                        round(library / r["rate_median"], 2)
+            elif r["section"] == "enqueue":
                 out[f"enqueue_{r['clients']}c"] = r["rate_median"]
                 ceiling = peers.get(("ceiling_enqueue", None, r["clients"]))
                 if ceiling:
