@@ -32,6 +32,7 @@ from typing import Protocol
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
+from dispatcher import _clock
 from dispatcher.completer import Completer, Stats
 from dispatcher.executor import Executor, SlotPool, _db_text, _jsonb_text
 from dispatcher.handlers import Registry
@@ -78,8 +79,8 @@ class SlotShare(Protocol):
 @dataclass(slots=True)
 class _InFlight:
     row: Claimed
-    started: float           # time.monotonic() at the claim
-    deadline: float          # the attempt's deadline (time.monotonic())
+    started: float           # _clock.now() at the claim (counts a suspend)
+    deadline: float          # the attempt's deadline (_clock.now())
     extended_at: float = 0.0
 
 
@@ -141,7 +142,7 @@ class Dispatcher:
             concurrency, "outbox-deliver", self._run_one)
         self._lock = threading.Lock()
         self._inflight: dict[int, _InFlight] = {}
-        self._last_extend = time.monotonic()
+        self._last_extend = _clock.now()
         self._last_claim = 0.0
         # The last claim raised (its database down or unreachable): under a shared slot
         # budget, ask for one slot until a claim succeeds again, so a claim stuck in its
@@ -158,9 +159,9 @@ class Dispatcher:
     def _claim(self, limit: int) -> list[Claimed]:
         return self.producer.claim(limit)
 
-    def _deliver(self, row: Claimed, started_monotonic: float) -> Outcome:
+    def _deliver(self, row: Claimed, started: float) -> Outcome:
         """Run the handler for one claimed row (on a pool thread; no DB connection)."""
-        return self.executor.execute(row, started_monotonic)
+        return self.executor.execute(row, started)
 
     def _ours(self, row: Claimed) -> bool:
         """`row` is still in flight under this claim's lease (not released meanwhile)."""
@@ -219,7 +220,7 @@ class Dispatcher:
         Only while the attempt's deadline has not passed, and never beyond it (plus
         DEADLINE_MARGIN): a handler past its deadline is not kept leased.
         """
-        now = time.monotonic()
+        now = _clock.now()
         if not force and now - self._last_extend < self.lease / 3:
             return
         self._last_extend = now
@@ -290,7 +291,7 @@ class Dispatcher:
         if rows:
             crashpoint("after_claim")
         self.stats.claimed += len(rows)
-        now = time.monotonic()
+        now = _clock.now()
         deadline = self.executor.deadline(now)
         items = [_InFlight(row, now, deadline) for row in rows]
         with self._lock:  # one acquisition per claim, before any delivery can end

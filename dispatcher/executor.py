@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Status, StatusCode
 
+from dispatcher import _clock
 from dispatcher.handlers import KEY_RETENTION_SHARE, EffectContext, Registration, Registry
 from dispatcher.policy import RetryPolicy
 from outbox._crash import crashpoint
@@ -264,18 +265,18 @@ class Executor:
                 self._label_cache[(kind, queue)] = got
         return got
 
-    def deadline(self, started_monotonic: float) -> float:
-        """The attempt's deadline (time.monotonic()): the handler must have returned by
+    def deadline(self, started: float) -> float:
+        """The attempt's deadline (dispatcher._clock): the handler must have returned by
         then, and its lease is never extended beyond it (plus a margin)."""
-        return started_monotonic + self.lease * 0.8
+        return started + self.lease * 0.8
 
-    def execute(self, row: Claimed, started_monotonic: float) -> Outcome:
+    def execute(self, row: Claimed, started: float) -> Outcome:
         """Run the handler for one claimed row (on a pool thread; no DB connection).
 
         A handler's awaitable is awaited on the dispatcher's event loop while this
         thread waits (`await_result`).
         """
-        flow = self._attempt(row, started_monotonic)
+        flow = self._attempt(row, started)
         step = _first_step(flow)
         if isinstance(step, Outcome):
             return step
@@ -285,10 +286,10 @@ class Executor:
             return _last_step(flow, exc=exc)
         return _last_step(flow, value=value)
 
-    async def aexecute(self, row: Claimed, started_monotonic: float) -> Outcome:
+    async def aexecute(self, row: Claimed, started: float) -> Outcome:
         """`execute` for an async handler, as a task of the dispatcher's event loop:
         no pool thread waits for it (one thread hand-off less per delivery)."""
-        flow = self._attempt(row, started_monotonic)
+        flow = self._attempt(row, started)
         step = _first_step(flow)
         if isinstance(step, Outcome):
             return step
@@ -315,7 +316,7 @@ class Executor:
         self._on_loop[kind] = (registration, on_loop)
         return on_loop
 
-    def submit_async_many(self, rows: Sequence[Claimed], started_monotonic: float,
+    def submit_async_many(self, rows: Sequence[Claimed], started: float,
                           done: Callable[[Claimed, Outcome | BaseException], None]
                           ) -> None:
         """Start `aexecute` for each row on the event loop; `done(row, outcome or
@@ -338,7 +339,7 @@ class Executor:
                     try:
                         if self._loop_closed:
                             raise RuntimeError("the dispatcher was shut down: not delivered")
-                        task = loop.create_task(self.aexecute(row, started_monotonic))
+                        task = loop.create_task(self.aexecute(row, started))
                     except Exception as exc:
                         done(row, exc)
                         continue
@@ -346,25 +347,26 @@ class Executor:
 
             loop.call_soon_threadsafe(start)
 
-    def db_now(self, row: Claimed, started_monotonic: float | None = None) -> datetime:
+    def db_now(self, row: Claimed, started: float | None = None) -> datetime:
         """The database's time now, without asking it: the injected clock's, else the
         claim's (the lease's end, set by the database, less the lease) plus the time
-        since the delivery started, by this host's monotonic clock. A host whose wall
-        clock is off (F32) still ends retries, keeps to a key retention and dates its
-        attempts as the database would."""
+        since the claim (`started`, dispatcher._clock: it counts a suspended host's
+        sleep, as the database's clock does). A host whose wall clock is off (F32)
+        still ends retries, keeps to a key retention and dates its attempts as the
+        database would."""
         injected = self.clock()
         if injected is not None:
             return injected
         claimed = row.lease_expires_at - self._lease
-        if started_monotonic is None:
+        if started is None:
             return claimed
-        return claimed + timedelta(seconds=max(0.0, time.monotonic() - started_monotonic))
+        return claimed + timedelta(seconds=max(0.0, _clock.now() - started))
 
-    def _attempt(self, row: Claimed, started_monotonic: float) -> Attempt:
+    def _attempt(self, row: Claimed, started: float) -> Attempt:
         """One attempt, written once for both drivers: yields (awaitable, deadline)
         when the handler returns an awaitable, and receives its result (or the error,
         thrown in); returns the attempt's Outcome."""
-        started_at = self.db_now(row, started_monotonic)
+        started_at = self.db_now(row, started)
         headers = row.headers if isinstance(row.headers, dict) else {}
         parent = propagate.extract(headers) if headers else None
         registration = self.registry.get(row.kind)
@@ -392,7 +394,8 @@ class Executor:
             effect = EffectContext(
                 id=row.id, key=row.effect_key, kind=row.kind, payload=row.payload,
                 attempt=row.attempts, max_attempts=row.max_attempts,
-                deadline=self.deadline(started_monotonic), created_at=row.created_at,
+                deadline=_clock.to_monotonic(self.deadline(started)),
+                created_at=row.created_at,
                 ordering_key=row.ordering_key)
             t0 = time.perf_counter()
             try:
@@ -414,7 +417,7 @@ class Executor:
                     attempt=row.attempts, max_attempts=row.max_attempts, error=exc,
                     retry_safe=registration.retry_safe if registration else True,
                     retry_until=_retry_until(row, registration),
-                    now=self.db_now(row, started_monotonic))
+                    now=self.db_now(row, started))
                 detail = exc.detail if isinstance(exc, DeliveryError) else None
                 http_status = _http_status(
                     exc.http_status if isinstance(exc, DeliveryError) else None)
@@ -442,7 +445,7 @@ class Executor:
             delivery_duration.record(duration, delivered_labels)
             process_duration.record(duration, process_labels)
             delivery_lag.record(
-                max(0.0, (self.db_now(row, started_monotonic) - row.created_at)
+                max(0.0, (self.db_now(row, started) - row.created_at)
                     .total_seconds()), labels)
             status = result.get("status") if isinstance(result, dict) else None
             return Outcome(
@@ -472,7 +475,7 @@ class Executor:
             kind=row.kind, queue=row.queue,
             ordered=row.ordering_key is not None)
 
-    def released(self, row: Claimed, started_monotonic: float) -> Outcome:
+    def released(self, row: Claimed, started: float) -> Outcome:
         """The outcome of a delivery abandoned at shutdown: due again at once.
 
         The request may already have reached the receiver, so the attempt is ambiguous;
@@ -484,8 +487,8 @@ class Executor:
         """
         registration = self.registry.get(row.kind)
         safe = registration.retry_safe if registration else True
-        now = self.db_now(row, started_monotonic)
-        started = now - timedelta(seconds=time.monotonic() - started_monotonic)
+        now = self.db_now(row, started)
+        began = now - timedelta(seconds=_clock.now() - started)
         error = "released: worker shut down mid-delivery"
         if not safe:
             outcome, next_status = AttemptOutcome.AMBIGUOUS, EffectStatus.NEEDS_REVIEW
@@ -497,7 +500,7 @@ class Executor:
             outcome, next_status = AttemptOutcome.AMBIGUOUS, EffectStatus.PENDING
         return Outcome(
             effect_id=row.id, lease_token=row.lease_token, attempt=row.attempts,
-            outcome=outcome, next_status=next_status, started_at=started, delay=0.0,
+            outcome=outcome, next_status=next_status, started_at=began, delay=0.0,
             error=error, kind=row.kind, queue=row.queue,
             ordered=row.ordering_key is not None)
 

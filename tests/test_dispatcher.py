@@ -799,6 +799,60 @@ def test_f24_a_lost_lease_redelivered_past_the_key_retention_is_not_sent(
     assert psp.ledger("f24-rescued")["keys"] == []  # nothing reached the receiver
 
 
+def test_f24_a_host_that_slept_after_the_claim_does_not_send_past_the_key_retention(
+        engine: Engine, psp: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host is suspended for 2 h between the claim and the handler's start (a
+    laptop lid, a paused VM): the database's clock ran on, the monotonic one did not.
+    The attempt is dated on dispatcher._clock, which counts the sleep (CLOCK_BOOTTIME),
+    so it is past the receiver's key retention (1 h): not sent, parked. Dated by
+    time.monotonic() it was 'one second after the claim', and sent."""
+    from dispatcher import _clock
+
+    registry = Registry()
+    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
+                      key_retention=3600)
+    add_effects(engine, ["f24-slept"], kind="psp.charge")
+    slept = [0.0]
+    awake = _clock.now
+    monkeypatch.setattr(_clock, "now", lambda: awake() + slept[0])
+    seen: list[float] = []
+
+    class SleepsAfterTheClaim(Dispatcher):
+        def _deliver(self, row: Any, started: float) -> Any:
+            slept[0] += 2 * 3600
+            seen.append(self.executor.deadline(started))
+            return super()._deliver(row, started)
+
+    d = SleepsAfterTheClaim(engine, registry, concurrency=1, policy=NO_WAIT)
+    try:
+        d.drain(budget=10)
+    finally:
+        d.shutdown(0)
+    row = effect_row(engine, "f24-slept")
+    assert (row.status, row.attempts) == ("needs_review", 1)
+    assert row.last_error.startswith("KeyRetentionPassed")
+    assert psp.ledger("f24-slept")["keys"] == []  # nothing reached the receiver
+    # The handler's deadline stays on the monotonic clock (asyncio's, and what
+    # EffectContext documents): past, after the sleep.
+    assert _clock.to_monotonic(seen[0]) < time.monotonic()
+
+
+def test_the_claim_clock_counts_what_monotonic_counts_when_awake() -> None:
+    """Awake, dispatcher._clock advances as time.monotonic() does (a deadline converts
+    to within a millisecond), and on Linux it is CLOCK_BOOTTIME."""
+    import sys
+
+    from dispatcher import _clock
+
+    a, m = _clock.now(), time.monotonic()
+    time.sleep(0.05)
+    b, n = _clock.now(), time.monotonic()
+    assert abs((b - a) - (n - m)) < 0.005
+    assert abs(_clock.to_monotonic(b + 1.0) - (n + 1.0)) < 0.005
+    if sys.platform == "linux":
+        assert _clock._BOOTTIME == time.CLOCK_BOOTTIME
+
+
 def test_the_default_policys_retry_horizon_is_13_hours_or_24_with_retry_after(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """README (F24): without `key_retention`, the default policy's waits between its 25

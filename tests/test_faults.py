@@ -379,10 +379,10 @@ class CallAudit:
 class LeakyDispatcher(Dispatcher):
     """The bug F12 guards against: a transaction left open around the delivery."""
 
-    def _deliver(self, row: Row[Any], started_monotonic: float) -> dispatch_sql.Outcome:
+    def _deliver(self, row: Row[Any], started: float) -> dispatch_sql.Outcome:
         with self.engine.begin() as conn:
             conn.execute(text("SELECT 1"))
-            return super()._deliver(row, started_monotonic)
+            return super()._deliver(row, started)
 
 
 def audited_run(db_url: str, engine: Engine, observer: Engine, psp: Receiver, prefix: str,
