@@ -690,8 +690,11 @@ class Bench:
                     for by in tables}
             roles = {k.pid: "client" for group in kids.values() for k in group}
             try:
-                for _ in range(self.args.runs):
-                    for by, table in tables.items():  # interleaved, run by run
+                for run in range(self.args.runs):
+                    order = list(tables.items())
+                    if run % 2:  # interleaved, and which goes first swaps run by run
+                        order.reverse()
+                    for by, table in order:
                         self.db.reset()
                         pre_busy = wait_quiet(timeout=self.args.quiet_timeout)
                         load0 = load()

@@ -6,8 +6,8 @@
 Migration 0013 put each table's CHECKs into one CHECK that calls a PL/pgSQL function
 (docs/architecture.md, "Row rules"). This measures what that changed on the server,
 without our Python client in the way. Two scratch databases on $DATABASE_URL's
-server: one migrated to `--before`, one to head. On each, alternately, round by
-round, pgbench (one client, prepared statements, `synchronous_commit=off` so that the
+server: one migrated to `--before`, one to head. On each, alternately (which one goes
+first swaps round by round), pgbench (one client, prepared statements, `synchronous_commit=off` so that the
 disk's flush does not hide the server's CPU) runs two scripts:
 - `effect_insert`: `BEGIN; INSERT INTO outbox.effects (one row); COMMIT`;
 - `enqueue`: `BEGIN; INSERT INTO bench_orders; <our enqueue statement>; COMMIT`. The
@@ -112,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
                                   " customer int NOT NULL, amount numeric(12,2) NOT NULL)"))
             scratch.dispose()
         for rnd in range(1, args.rounds + 1):
+            sides = list(urls.items())
+            if rnd % 2 == 0:  # old first in odd rounds, new first in even ones
+                sides.reverse()
             for name, script in scripts().items():
-                for side, url in urls.items():
+                for side, url in sides:
                     latency = pgbench(url, script, args.seconds)
                     results.setdefault((name, side), []).append(latency)
                     print(json.dumps({"bench": "row_rules", "round": rnd, "script": name,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic import command
@@ -213,4 +214,138 @@ def test_0008_triggers_and_its_downgrade_round_trip(db_url: str) -> None:
         scratch.dispose()
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _migration_0013() -> Any:
+    import importlib.util
+
+    path = ROOT / "migrations" / "versions" / "0013_row_checks.py"
+    spec = importlib.util.spec_from_file_location("migration_0013", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Values for each rule column: NULL, and ones that pass and break each rule.
+_TS = "'2030-01-01T00:00:00Z'::timestamptz"
+_GRID: dict[str, tuple[str, ...]] = {
+    "status": ("NULL", *(f"'{s.value}'" for s in EffectStatus), "'sent'"),
+    "effect_key": ("NULL", "''", "'k'", "repeat('x', 256)"),
+    "attempts": ("NULL", "-1", "0"),
+    "max_attempts": ("NULL", "0", "1"),
+    "lease_token": ("NULL", "gen_random_uuid()"),
+    "lease_expires_at": ("NULL", _TS),
+    "lease_owner": ("NULL", "'w'"),
+    "delivered_at": ("NULL", _TS),
+    "finished_at": ("NULL", _TS),
+    "delivered_by": ("NULL", "'w'"),
+    "delivered_started_at": ("NULL", _TS),
+}
+
+
+def test_the_effect_rules_are_the_seven_checks_they_replaced(engine: Engine) -> None:
+    """Every combination of the grid above (NULLs included: a CHECK passes unless its
+    rule is false), 36,864 rows: the function refuses exactly the rows the seven
+    CHECKs of revision 0012 refused, and names the first of them that a row broke."""
+    from outbox._schema import EFFECT_RULE_COLUMNS
+
+    migration = _migration_0013()
+    assert tuple(arg for arg, _ in migration._EFFECT_ARGS) == EFFECT_RULE_COLUMNS
+    assert tuple(_GRID) == EFFECT_RULE_COLUMNS
+    rules = migration._EFFECT_RULES
+    old_verdict = " AND ".join(f"({rule}) IS NOT FALSE" for _, _, rule in rules)
+    first_broken = "CASE " + " ".join(
+        f"WHEN ({rule}) IS FALSE THEN '{label}'" for label, _, rule in rules) + " END"
+    columns = ", ".join(EFFECT_RULE_COLUMNS)
+    grid = " CROSS JOIN ".join(
+        f"(VALUES {', '.join(f'({v})' for v in values)}) AS g_{name}({name})"
+        for name, values in _GRID.items())
+    with engine.begin() as conn:
+        conn.execute(text(f"""
+            CREATE FUNCTION pg_temp.refused({', '.join(
+                f'{a} {k}' for a, k in migration._EFFECT_ARGS)}) RETURNS text
+            LANGUAGE plpgsql AS $$
+            BEGIN
+                PERFORM outbox.effect_row_ok({columns});
+                RETURN NULL;
+            EXCEPTION WHEN check_violation THEN
+                RETURN substring(SQLERRM from 'rule "([a-z_]+)"');
+            END $$"""))
+        mismatches = conn.execute(text(f"""
+            SELECT {columns}, old_ok, old_rule, new_rule FROM (
+                SELECT *, {old_verdict} AS old_ok, {first_broken} AS old_rule,
+                       pg_temp.refused({columns}) AS new_rule
+                  FROM {grid}) AS cases
+             WHERE old_ok <> (new_rule IS NULL) OR old_rule IS DISTINCT FROM new_rule
+             LIMIT 5""")).all()
+        total = conn.execute(text(f"SELECT count(*) FROM {grid}")).scalar_one()
+    assert total == 36_864
+    assert mismatches == []
+
+
+@pytest.mark.parametrize(("operator", "types", "insert"), [
+    (">=", "int4, int4", "INSERT INTO outbox.effects (effect_key, kind, payload, attempts,"
+     " max_attempts) VALUES (:key, 'k', '{}', -5, 0)"),
+    ("=", "text, text", "INSERT INTO outbox.effects (effect_key, kind, payload, status)"
+     " VALUES (:key, 'k', '{}', 'sent')"),
+])
+def test_a_writer_cannot_slip_its_own_operator_into_the_rules(
+        engine: Engine, operator: str, types: str, insert: str) -> None:
+    """The rules run in the writing session, on its search_path: an operator of the
+    writer's own, in a schema it puts first, must not be the one they use (reviewed:
+    unqualified, this INSERT of a row every rule refuses went in)."""
+    left, right = (t.strip() for t in types.split(","))
+    with pytest.raises(IntegrityError) as refused, engine.begin() as conn:
+        conn.execute(text("CREATE SCHEMA rogue_ops"))
+        conn.execute(text(f"CREATE FUNCTION rogue_ops.yes({types}) RETURNS boolean"
+                          " LANGUAGE sql IMMUTABLE AS 'SELECT true'"))
+        conn.execute(text(f"CREATE OPERATOR rogue_ops.{operator} (LEFTARG = {left},"
+                          f" RIGHTARG = {right}, FUNCTION = rogue_ops.yes)"))
+        conn.execute(text("SET LOCAL search_path = rogue_ops, pg_catalog, public"))
+        conn.execute(text(insert), {"key": uuid.uuid4().hex})
+    assert getattr(refused.value.orig, "sqlstate", None) == "23514"
+    with engine.connect() as conn:  # the transaction rolled back: nothing stayed
+        assert conn.execute(text("SELECT count(*) FROM pg_namespace"
+                                 " WHERE nspname = 'rogue_ops'")).scalar_one() == 0
+
+
+def test_every_writer_may_run_the_rules(db_url: str) -> None:
+    """PostgreSQL checks EXECUTE on a CHECK's function for each role that writes the
+    table. On a database whose functions are created without EXECUTE for PUBLIC
+    (`ALTER DEFAULT PRIVILEGES ... REVOKE`, a common hardening), a role allowed to
+    insert effects still can: migration 0013 grants EXECUTE on the rules itself."""
+    from sqlalchemy import create_engine, make_url
+    from sqlalchemy.pool import NullPool
+
+    from outbox._migrate import upgrade
+
+    base = make_url(db_url)
+    name = f"outbox_grant_{uuid.uuid4().hex[:8]}"
+    role = f"outbox_writer_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT",
+                          poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+        conn.execute(text(f'CREATE ROLE "{role}"'))
+    url = base.set(database=name).render_as_string(hide_password=False)
+    scratch = create_engine(url, poolclass=NullPool)
+    try:
+        with scratch.begin() as conn:
+            conn.execute(text("ALTER DEFAULT PRIVILEGES REVOKE EXECUTE ON FUNCTIONS"
+                              " FROM PUBLIC"))
+        upgrade(url)
+        with scratch.begin() as conn:
+            conn.execute(text(f'GRANT USAGE ON SCHEMA outbox TO "{role}"'))
+            conn.execute(text(f'GRANT INSERT ON outbox.effects TO "{role}"'))
+            conn.execute(text(f'GRANT USAGE ON SEQUENCE outbox.effects_id_seq TO "{role}"'))
+            conn.execute(text(f'SET LOCAL ROLE "{role}"'))
+            conn.execute(text("INSERT INTO outbox.effects (effect_key, kind, payload)"
+                              " VALUES ('k', 'k', '{}')"))
+    finally:
+        scratch.dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(text(f'DROP ROLE IF EXISTS "{role}"'))
         admin.dispose()

@@ -16,16 +16,27 @@ costs about what the seven expressions did: the same at 100 rows per statement,
 5-6 times less at one.
 
 The functions have no `SET search_path`: a SET clause costs a GUC save and restore on
-every call, 2.5 µs a row. The bodies call only built-in functions, schema-qualified,
-and built-in operators on built-in types, which `pg_catalog` (searched first unless a
-session lists it later) resolves.
+every call, 2.5 µs a row. Instead every function and operator in their bodies is
+schema-qualified (`OPERATOR(pg_catalog.=)`, `_qualified` below). A CHECK stores its
+operators resolved; a PL/pgSQL body resolves them in the writing session, on that
+session's search_path: unqualified, a role allowed to write the table and to create an
+operator in a schema of its own could put that schema first and write rows the rules
+refuse (reviewed; tests/test_schema.py). EXECUTE on both functions is granted to
+PUBLIC explicitly: PostgreSQL checks it for every role that writes the table, and a
+database that revokes EXECUTE from PUBLIC by default would otherwise stop every writer.
 
 A row that breaks a rule raises check_violation (23514), as before; the message names
 the constraint and the rule (the old constraint's name without the table's prefix).
 
-Deploy: this migration checks every existing row once, holding ACCESS EXCLUSIVE on each
-table meanwhile (enqueues and claims wait), about a second per million effects here.
-Code of the previous release runs unchanged against it.
+Deploy: this migration checks every existing row once, holding ACCESS EXCLUSIVE on both
+tables meanwhile (enqueues and claims wait), about a second per million effects here.
+It locks them in the order a guarded request does (keys, then effects), so a request
+waits for it instead of deadlocking with it. Code of the previous release runs
+unchanged against it.
+
+Changing a rule later: a new revision that drops the CHECK, replaces the function and
+adds the CHECK again (so existing rows are checked); `CREATE OR REPLACE` alone would
+check new writes only. A rule's column cannot change type while the function takes it.
 
 Revision ID: 0013
 Revises: 0012
@@ -33,6 +44,8 @@ Create Date: 2026-12-05
 """
 
 from __future__ import annotations
+
+import re
 
 from alembic import op
 
@@ -93,13 +106,26 @@ _TABLES = (
 )
 
 
+def _qualified(rule: str) -> str:
+    """`rule` with every operator schema-qualified, as the function runs it: `x IN
+    (...)` becomes `= ANY (ARRAY[...])` and `BETWEEN` two comparisons, since neither
+    takes a qualified operator. Only the forms the rules above use."""
+    rule = re.sub(r"(\w+) IN \(([^()]*)\)", r"\1 = ANY (ARRAY[\2])", rule)
+    rule = re.sub(r"(pg_catalog\.length\(\w+\)) BETWEEN (\d+) AND (\d+)",
+                  r"\1 >= \2 AND \1 <= \3", rule)
+    rule = re.sub(r" (=|>=|<=) ", r" OPERATOR(pg_catalog.\1) ", rule)
+    assert not re.search(r" (IN|BETWEEN|<>|!=|<|>) ", rule), rule
+    return rule
+
+
 def _function(table: str, name: str, args: tuple[tuple[str, str], ...],
               rules: tuple[tuple[str, str, str], ...], constraint: str) -> str:
     """A CHECK passes unless its rule is false (null passes), so does each rule here.
     The fast path is one expression; only a refused row looks for the rule to name."""
-    every = "\n       AND ".join(f"({rule}) IS NOT FALSE" for _, _, rule in rules)
+    every = "\n       AND ".join(f"({_qualified(rule)}) IS NOT FALSE"
+                                 for _, _, rule in rules)
     which = "\n".join(
-        f"    IF ({rule}) IS FALSE THEN\n"
+        f"    IF ({_qualified(rule)}) IS FALSE THEN\n"
         f"        v_rule := '{label}';\n"
         f"        v_text := {_literal(rule)};\n"
         f"    END IF;"
@@ -118,9 +144,9 @@ BEGIN
 {which}
     RAISE EXCEPTION USING
         ERRCODE = 'check_violation',
-        MESSAGE = 'new row for relation "{table}" violates check constraint'
-                  || ' "{constraint}", rule "' || v_rule || '"',
-        DETAIL = 'Failing rule: ' || v_text,
+        MESSAGE = pg_catalog.format('new row for relation "{table}" violates check'
+                                    ' constraint "{constraint}", rule "%s"', v_rule),
+        DETAIL = pg_catalog.format('Failing rule: %s', v_text),
         SCHEMA = 'outbox', TABLE = '{table}', CONSTRAINT = '{constraint}';
 END $fn$
 """
@@ -134,9 +160,19 @@ def _call(name: str, args: tuple[tuple[str, str], ...]) -> str:
     return f"outbox.{name}({', '.join(arg for arg, _ in args)})"
 
 
+def _signature(name: str, args: tuple[tuple[str, str], ...]) -> str:
+    return f"outbox.{name}({', '.join(kind for _, kind in args)})"
+
+
+# The order a guarded request takes them in: the key, then its effects.
+_LOCK = "LOCK TABLE outbox.idempotency_keys, outbox.effects IN ACCESS EXCLUSIVE MODE"
+
+
 def upgrade() -> None:
+    op.execute(_LOCK)
     for table, name, args, rules, constraint in _TABLES:
         op.execute(_function(table, name, args, rules, constraint))
+        op.execute(f"GRANT EXECUTE ON FUNCTION {_signature(name, args)} TO PUBLIC")
         for _, old, _ in rules:
             op.execute(f"ALTER TABLE outbox.{table} DROP CONSTRAINT {old}")
         op.execute(f"ALTER TABLE outbox.{table} ADD CONSTRAINT {constraint}"
@@ -144,8 +180,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.execute(_LOCK)
     for table, name, args, rules, constraint in _TABLES:
         op.execute(f"ALTER TABLE outbox.{table} DROP CONSTRAINT {constraint}")
         for _, old, rule in rules:
             op.execute(f"ALTER TABLE outbox.{table} ADD CONSTRAINT {old} CHECK ({rule})")
-        op.execute(f"DROP FUNCTION outbox.{name}({', '.join(kind for _, kind in args)})")
+        op.execute(f"DROP FUNCTION {_signature(name, args)}")
