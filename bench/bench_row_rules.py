@@ -7,8 +7,9 @@ Migration 0013 put each table's CHECKs into one CHECK that calls a PL/pgSQL func
 (docs/architecture.md, "Row rules"). This measures what that changed on the server,
 without our Python client in the way. Two scratch databases on $DATABASE_URL's
 server: one migrated to `--before`, one to head. On each, alternately (which one goes
-first swaps round by round), pgbench (one client, prepared statements, `synchronous_commit=off` so that the
-disk's flush does not hide the server's CPU) runs two scripts:
+first swaps round by round), pgbench (one client, prepared statements,
+`synchronous_commit=off` so that the disk's flush does not hide the server's CPU) runs
+two scripts:
 - `effect_insert`: `BEGIN; INSERT INTO outbox.effects (one row); COMMIT`;
 - `enqueue`: `BEGIN; INSERT INTO bench_orders; <our enqueue statement>; COMMIT`. The
   statement is `outbox.sql.effects`' own (keys, effect row, doorbell), one effect with
