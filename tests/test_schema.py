@@ -230,9 +230,10 @@ def _migration_0013() -> Any:
 
 # Values for each rule column: NULL, and ones that pass and break each rule.
 _TS = "'2030-01-01T00:00:00Z'::timestamptz"
-_GRID: dict[str, tuple[str, ...]] = {
+_KEY_TEXT = ("NULL", "''", "'k'", "repeat('x', 256)")
+_EFFECT_GRID: dict[str, tuple[str, ...]] = {
     "status": ("NULL", *(f"'{s.value}'" for s in EffectStatus), "'sent'"),
-    "effect_key": ("NULL", "''", "'k'", "repeat('x', 256)"),
+    "effect_key": _KEY_TEXT,
     "attempts": ("NULL", "-1", "0"),
     "max_attempts": ("NULL", "0", "1"),
     "lease_token": ("NULL", "gen_random_uuid()"),
@@ -243,32 +244,47 @@ _GRID: dict[str, tuple[str, ...]] = {
     "delivered_by": ("NULL", "'w'"),
     "delivered_started_at": ("NULL", _TS),
 }
+_KEY_GRID: dict[str, tuple[str, ...]] = {
+    "status": ("NULL", *(f"'{s.value}'" for s in KeyStatus), "'unknown'"),
+    "key": _KEY_TEXT,
+    "lock_token": ("NULL", "gen_random_uuid()"),
+    "locked_at": ("NULL", _TS),
+    "lock_expires_at": ("NULL", _TS),
+    "response_status": ("NULL", "201"),
+    "completed_at": ("NULL", _TS),
+}
 
 
-def test_the_effect_rules_are_the_seven_checks_they_replaced(engine: Engine) -> None:
+@pytest.mark.parametrize(("table", "size"), [("effects", 36_864), ("keys", 512)])
+def test_the_rules_are_the_checks_they_replaced(engine: Engine, table: str, size: int
+                                                ) -> None:
     """Every combination of the grid above (NULLs included: a CHECK passes unless its
-    rule is false), 36,864 rows: the function refuses exactly the rows the seven
-    CHECKs of revision 0012 refused, and names the first of them that a row broke."""
-    from outbox._schema import EFFECT_RULE_COLUMNS
+    rule is false): the function refuses exactly the rows the CHECKs of revision 0012
+    refused (seven on effects, three on keys), and names the first rule a row broke."""
+    from outbox._schema import EFFECT_RULE_COLUMNS, KEY_RULE_COLUMNS
 
     migration = _migration_0013()
-    assert tuple(arg for arg, _ in migration._EFFECT_ARGS) == EFFECT_RULE_COLUMNS
-    assert tuple(_GRID) == EFFECT_RULE_COLUMNS
-    rules = migration._EFFECT_RULES
+    if table == "effects":
+        grid_values, args, rules = (_EFFECT_GRID, migration._EFFECT_ARGS,
+                                    migration._EFFECT_RULES)
+        function, rule_columns = "effect_row_ok", EFFECT_RULE_COLUMNS
+    else:
+        grid_values, args, rules = _KEY_GRID, migration._KEY_ARGS, migration._KEY_RULES
+        function, rule_columns = "key_row_ok", KEY_RULE_COLUMNS
+    assert tuple(arg for arg, _ in args) == rule_columns == tuple(grid_values)
     old_verdict = " AND ".join(f"({rule}) IS NOT FALSE" for _, _, rule in rules)
     first_broken = "CASE " + " ".join(
         f"WHEN ({rule}) IS FALSE THEN '{label}'" for label, _, rule in rules) + " END"
-    columns = ", ".join(EFFECT_RULE_COLUMNS)
+    columns = ", ".join(rule_columns)
     grid = " CROSS JOIN ".join(
         f"(VALUES {', '.join(f'({v})' for v in values)}) AS g_{name}({name})"
-        for name, values in _GRID.items())
+        for name, values in grid_values.items())
     with engine.begin() as conn:
         conn.execute(text(f"""
-            CREATE FUNCTION pg_temp.refused({', '.join(
-                f'{a} {k}' for a, k in migration._EFFECT_ARGS)}) RETURNS text
-            LANGUAGE plpgsql AS $$
+            CREATE FUNCTION pg_temp.refused({', '.join(f'{a} {k}' for a, k in args)})
+            RETURNS text LANGUAGE plpgsql AS $$
             BEGIN
-                PERFORM outbox.effect_row_ok({columns});
+                PERFORM outbox.{function}({columns});
                 RETURN NULL;
             EXCEPTION WHEN check_violation THEN
                 RETURN substring(SQLERRM from 'rule "([a-z_]+)"');
@@ -281,7 +297,7 @@ def test_the_effect_rules_are_the_seven_checks_they_replaced(engine: Engine) -> 
              WHERE old_ok <> (new_rule IS NULL) OR old_rule IS DISTINCT FROM new_rule
              LIMIT 5""")).all()
         total = conn.execute(text(f"SELECT count(*) FROM {grid}")).scalar_one()
-    assert total == 36_864
+    assert total == size
     assert mismatches == []
 
 
