@@ -781,22 +781,33 @@ def test_f24_a_lost_lease_redelivered_past_the_key_retention_is_not_sent(
         engine: Engine, psp: Receiver) -> None:
     """A worker died mid-delivery (the receiver may have applied it); its lease is
     rescued 2 h later, past the receiver's key retention (1 h): not sent, parked."""
-    registry = Registry()
-    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
-                      key_retention=3600)
     add_effects(engine, ["f24-rescued"], kind="psp.charge")
     t0 = db_now(engine)
     assert len(claim(engine, owner="died", lease=5, now=t0)) == 1
     clock = [t0 + timedelta(hours=2)]
-    d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT, clock=lambda: clock[0])
+    d = Dispatcher(engine, _charges_kept_an_hour(psp), concurrency=1, policy=NO_WAIT,
+                   clock=lambda: clock[0])
     try:
         d.drain(budget=10)
     finally:
         d.shutdown(0)
-    row = effect_row(engine, "f24-rescued")
-    assert (row.status, row.attempts) == ("needs_review", 2)
+    _parked_unsent(engine, psp, "f24-rescued", attempts=2)
+
+
+def _charges_kept_an_hour(psp: Receiver) -> Registry:
+    """psp.charge alone, its receiver keeping keys 1 h."""
+    registry = Registry()
+    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
+                      key_retention=3600)
+    return registry
+
+
+def _parked_unsent(engine: Engine, psp: Receiver, key: str, attempts: int) -> None:
+    """Past the key retention: parked for review, and nothing reached the receiver."""
+    row = effect_row(engine, key)
+    assert (row.status, row.attempts) == ("needs_review", attempts)
     assert row.last_error.startswith("KeyRetentionPassed")
-    assert psp.ledger("f24-rescued")["keys"] == []  # nothing reached the receiver
+    assert psp.ledger(key)["keys"] == []
 
 
 def test_f24_a_host_that_slept_after_the_claim_does_not_send_past_the_key_retention(
@@ -808,9 +819,6 @@ def test_f24_a_host_that_slept_after_the_claim_does_not_send_past_the_key_retent
     time.monotonic() it was 'one second after the claim', and sent."""
     from dispatcher import _clock
 
-    registry = Registry()
-    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
-                      key_retention=3600)
     add_effects(engine, ["f24-slept"], kind="psp.charge")
     slept = [0.0]
     awake = _clock.now
@@ -823,15 +831,13 @@ def test_f24_a_host_that_slept_after_the_claim_does_not_send_past_the_key_retent
             seen.append(self.executor.deadline(started))
             return super()._deliver(row, started)
 
-    d = SleepsAfterTheClaim(engine, registry, concurrency=1, policy=NO_WAIT)
+    d = SleepsAfterTheClaim(engine, _charges_kept_an_hour(psp), concurrency=1,
+                            policy=NO_WAIT)
     try:
         d.drain(budget=10)
     finally:
         d.shutdown(0)
-    row = effect_row(engine, "f24-slept")
-    assert (row.status, row.attempts) == ("needs_review", 1)
-    assert row.last_error.startswith("KeyRetentionPassed")
-    assert psp.ledger("f24-slept")["keys"] == []  # nothing reached the receiver
+    _parked_unsent(engine, psp, "f24-slept", attempts=1)
     # The handler's deadline stays on the monotonic clock (asyncio's, and what
     # EffectContext documents): past, after the sleep.
     assert _clock.to_monotonic(seen[0]) < time.monotonic()
