@@ -80,7 +80,10 @@ class SlotShare(Protocol):
 class _InFlight:
     row: Claimed
     started: float           # _clock.now() at the claim (counts a suspend)
-    deadline: float          # the attempt's deadline (_clock.now())
+    # The attempt's deadline on time.monotonic(), the clock the handler is held to
+    # (EffectContext.deadline): a suspend during the attempt moves it later in real
+    # time, and the lease must still cover it.
+    deadline: float
     extended_at: float = 0.0
 
 
@@ -220,18 +223,18 @@ class Dispatcher:
         Only while the attempt's deadline has not passed, and never beyond it (plus
         DEADLINE_MARGIN): a handler past its deadline is not kept leased.
         """
-        now = _clock.now()
+        now, awake = _clock.now(), time.monotonic()
         if not force and now - self._last_extend < self.lease / 3:
             return
         self._last_extend = now
         with self._lock:
             due = [f for f in self._inflight.values()
                    if now - max(f.started, f.extended_at) >= self.lease / 3
-                   and now < f.deadline]
+                   and awake < f.deadline]
         if not due:
             return
         leases = [(f.row.id, f.row.lease_token) for f in due]
-        caps = [min(self.lease, f.deadline - now + DEADLINE_MARGIN) for f in due]
+        caps = [min(self.lease, f.deadline - awake + DEADLINE_MARGIN) for f in due]
         try:
             with self.producer.conn() as conn:
                 kept = sql.extend_leases(conn, leases, self.lease, now=self.clock(),
@@ -292,7 +295,7 @@ class Dispatcher:
             crashpoint("after_claim")
         self.stats.claimed += len(rows)
         now = _clock.now()
-        deadline = self.executor.deadline(now)
+        deadline = _clock.to_monotonic(self.executor.deadline(now))
         items = [_InFlight(row, now, deadline) for row in rows]
         with self._lock:  # one acquisition per claim, before any delivery can end
             for item in items:

@@ -609,8 +609,10 @@ def _refuse_past_key_retention(row: Claimed, registration: Registration,
     """An attempt sent once the receiver may have forgotten the key (a retry due late,
     a lease rescued late, a bulk redrive) would be a new request to it: if an earlier
     attempt was applied, the effect would be applied twice. Raise instead, before
-    anything is sent. The first claim's own attempt is never refused: its first
-    contact is now."""
+    anything is sent. The first claim's own attempt is refused only if its host slept
+    past the horizon between the claim and now (dispatcher/_clock.py): its lease ran
+    out meanwhile and another worker may have sent it, though possibly nobody did
+    (the operator checks, as the message says)."""
     first = _first_contact(row)
     horizon = registration.retry_until(first, None)
     if horizon is not None and now >= horizon:

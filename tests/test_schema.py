@@ -304,14 +304,15 @@ def test_the_rules_are_the_checks_they_replaced(engine: Engine, table: str, size
 @pytest.mark.parametrize(("operator", "types", "insert"), [
     (">=", "int4, int4", "INSERT INTO outbox.effects (effect_key, kind, payload, attempts,"
      " max_attempts) VALUES (:key, 'k', '{}', -5, 0)"),
-    ("=", "text, text", "INSERT INTO outbox.effects (effect_key, kind, payload, status)"
-     " VALUES (:key, 'k', '{}', 'sent')"),
+    # an in-flight row with no lease, no times: each rule compares two booleans
+    ("=", "boolean, boolean", "INSERT INTO outbox.effects (effect_key, kind, payload,"
+     " status) VALUES (:key, 'k', '{}', 'in_flight')"),
 ])
 def test_a_writer_cannot_slip_its_own_operator_into_the_rules(
         engine: Engine, operator: str, types: str, insert: str) -> None:
     """The rules run in the writing session, on its search_path: an operator of the
     writer's own, in a schema it puts first, must not be the one they use (reviewed:
-    unqualified, this INSERT of a row every rule refuses went in)."""
+    unqualified, each of these INSERTs of a refused row went in)."""
     left, right = (t.strip() for t in types.split(","))
     with pytest.raises(IntegrityError) as refused, engine.begin() as conn:
         conn.execute(text("CREATE SCHEMA rogue_ops"))
