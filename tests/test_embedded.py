@@ -33,8 +33,12 @@ def home() -> Iterator[Path]:
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
+# The owner is a program started from a terminal, where Ctrl-C reaches it. Started
+# from a shell's background job (`cmd &`, as `nohup .ci/run &` runs the suite), a
+# process inherits SIGINT ignored and Python keeps it so: give it Ctrl-C back.
 OWNER = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from outbox._config import database_url
 import sqlalchemy as sa
 url = database_url()
