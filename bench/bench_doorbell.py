@@ -33,9 +33,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,6 +44,8 @@ from sqlalchemy import make_url
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchlib import pgbench  # noqa: E402
 
 DB = "bench_doorbell"
 
@@ -103,9 +103,6 @@ def prepare() -> None:
 def pgbench_cell(bell: str, clients: int, seconds: float) -> dict[str, Any]:
     from outbox.sql.watch import SLOTS
     url = make_url(scratch_url())
-    with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as f:
-        f.write(SCRIPT.format(bell=BELLS[bell]))
-        script = f.name
     watcher = None
     try:
         if bell == "ring_watched":  # a busy worker's slot, held for the whole run
@@ -115,17 +112,13 @@ def pgbench_cell(bell: str, clients: int, seconds: float) -> dict[str, Any]:
         with psycopg.connect(scratch_url(), autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE business, outbox_raw")
             conn.execute("CHECKPOINT")
-        cmd = ["pgbench", "-n", "-M", "prepared", "-c", str(clients),
-               "-j", str(min(clients, 2)), "-T", str(int(seconds)), "-f", script,
-               "-h", url.host or "127.0.0.1", "-p", str(url.port or 5432),
-               "-U", url.username or "postgres", DB]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        out = pgbench(url, SCRIPT.format(bell=BELLS[bell]), seconds=seconds,
+                      clients=clients)
         tps = next(float(line.split()[2]) for line in out.splitlines()
                    if line.startswith("tps"))
     finally:
         if watcher is not None:
             watcher.close()
-        os.unlink(script)
     return {"bench": "doorbell", "part": "pgbench", "bell": bell, "clients": clients,
             "seconds": seconds, "tps": round(tps, 1)}
 

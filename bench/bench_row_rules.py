@@ -23,19 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchlib import pgbench  # noqa: E402
 
 _ROW = ("jsonb_build_array(jsonb_build_object('k', md5(random()::text), 'kind', 'bench.noop',"
         " 'p', jsonb_build_object('order_id', currval('bench_orders_id_seq'),"
@@ -60,23 +58,12 @@ def scripts() -> dict[str, str]:
     }
 
 
-def pgbench(url: Any, script: str, seconds: int) -> float:
-    binary = shutil.which("pgbench") or "/usr/lib/postgresql/15/bin/pgbench"
-    with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as f:
-        f.write(script)
-    try:
-        done = subprocess.run(
-            [binary, "-h", url.host or "127.0.0.1", "-p", str(url.port or 5432),
-             "-U", url.username or "postgres", "-n", "-M", "prepared", "-c", "1",
-             "-T", str(seconds), "-f", f.name, url.database],
-            capture_output=True, text=True, check=False,
-            env=dict(os.environ, PGOPTIONS="-c synchronous_commit=off",
-                     **({"PGPASSWORD": url.password} if url.password else {})))
-    finally:
-        os.unlink(f.name)
-    found = re.search(r"latency average = ([\d.]+) ms", done.stdout)
-    if done.returncode != 0 or not found:
-        raise SystemExit(f"pgbench failed: {done.stdout}\n{done.stderr}")
+def latency_ms(url: Any, script: str, seconds: int) -> float:
+    """pgbench's average latency for `script`, one client, synchronous_commit off."""
+    out = pgbench(url, script, seconds=seconds, options="-c synchronous_commit=off")
+    found = re.search(r"latency average = ([\d.]+) ms", out)
+    if not found:
+        raise SystemExit(f"no latency in pgbench's output: {out}")
     return float(found.group(1))
 
 
@@ -118,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 sides.reverse()
             for name, script in scripts().items():
                 for side, url in sides:
-                    latency = pgbench(url, script, args.seconds)
+                    latency = latency_ms(url, script, args.seconds)
                     results.setdefault((name, side), []).append(latency)
                     print(json.dumps({"bench": "row_rules", "round": rnd, "script": name,
                                       "schema": args.before if side == "old" else "head",

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 
 def pct(values: Sequence[float], p: float) -> float | None:
@@ -14,3 +19,29 @@ def pct(values: Sequence[float], p: float) -> float | None:
     f = int(k)
     c = min(f + 1, len(s) - 1)
     return s[f] + (s[c] - s[f]) * (k - f)
+
+
+def pgbench(url: Any, script: str, *, seconds: float, clients: int = 1,
+            options: str | None = None) -> str:
+    """pgbench's output for `script` (prepared statements, `clients` sessions for
+    `seconds`) on the database of `url` (a SQLAlchemy URL); `options`: PGOPTIONS for
+    its sessions. Needs pgbench (Debian's postgresql-contrib)."""
+    binary = shutil.which("pgbench") or "/usr/lib/postgresql/15/bin/pgbench"
+    with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as f:
+        f.write(script)
+    env = dict(os.environ)
+    if options:
+        env["PGOPTIONS"] = options
+    if url.password:
+        env["PGPASSWORD"] = url.password
+    try:
+        done = subprocess.run(
+            [binary, "-n", "-M", "prepared", "-c", str(clients), "-j", str(min(clients, 2)),
+             "-T", str(int(seconds)), "-f", f.name, "-h", url.host or "127.0.0.1",
+             "-p", str(url.port or 5432), "-U", url.username or "postgres", url.database],
+            capture_output=True, text=True, check=False, env=env)
+    finally:
+        os.unlink(f.name)
+    if done.returncode != 0:
+        raise SystemExit(f"pgbench failed: {done.stdout}\n{done.stderr}")
+    return done.stdout
