@@ -810,8 +810,34 @@ def _parked_unsent(engine: Engine, psp: Receiver, key: str, attempts: int) -> No
     assert psp.ledger(key)["keys"] == []
 
 
+@pytest.fixture
+def slept(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """How long the host has slept, in seconds ([0], 0 at first; a test adds to it):
+    dispatcher._clock counts it, as the database's clock would; time.monotonic() not."""
+    from dispatcher import _clock
+
+    asleep = [0.0]
+    awake = _clock.now
+    monkeypatch.setattr(_clock, "now", lambda: awake() + asleep[0])
+    return asleep
+
+
+def _sleeping_after_the_claim(slept: list[float], seconds: float,
+                              deadlines: list[float]) -> type[Dispatcher]:
+    """A Dispatcher whose host sleeps `seconds` between each claim and its handler's
+    start; the attempt's deadline (Executor.deadline) of each goes to `deadlines`."""
+
+    class SleepsAfterTheClaim(Dispatcher):
+        def _deliver(self, row: Any, started: float) -> Any:
+            slept[0] += seconds
+            deadlines.append(self.executor.deadline(started))
+            return super()._deliver(row, started)
+
+    return SleepsAfterTheClaim
+
+
 def test_f24_a_host_that_slept_after_the_claim_does_not_send_past_the_key_retention(
-        engine: Engine, psp: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+        engine: Engine, psp: Receiver, slept: list[float]) -> None:
     """The host is suspended for 2 h between the claim and the handler's start (a
     laptop lid, a paused VM): the database's clock ran on, the monotonic one did not.
     The attempt is dated on dispatcher._clock, which counts the sleep (CLOCK_BOOTTIME),
@@ -820,19 +846,9 @@ def test_f24_a_host_that_slept_after_the_claim_does_not_send_past_the_key_retent
     from dispatcher import _clock
 
     add_effects(engine, ["f24-slept"], kind="psp.charge")
-    slept = [0.0]
-    awake = _clock.now
-    monkeypatch.setattr(_clock, "now", lambda: awake() + slept[0])
     seen: list[float] = []
-
-    class SleepsAfterTheClaim(Dispatcher):
-        def _deliver(self, row: Any, started: float) -> Any:
-            slept[0] += 2 * 3600
-            seen.append(self.executor.deadline(started))
-            return super()._deliver(row, started)
-
-    d = SleepsAfterTheClaim(engine, _charges_kept_an_hour(psp), concurrency=1,
-                            policy=NO_WAIT)
+    d = _sleeping_after_the_claim(slept, 2 * 3600, seen)(
+        engine, _charges_kept_an_hour(psp), concurrency=1, policy=NO_WAIT)
     try:
         d.drain(budget=10)
     finally:
@@ -843,8 +859,8 @@ def test_f24_a_host_that_slept_after_the_claim_does_not_send_past_the_key_retent
     assert _clock.to_monotonic(seen[0]) < time.monotonic()
 
 
-def test_the_claim_clock_counts_what_monotonic_counts_when_awake(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_claim_clock_counts_what_monotonic_counts_when_awake(slept: list[float]
+                                                                 ) -> None:
     """Awake, dispatcher._clock advances as time.monotonic() does, and on Linux it is
     CLOCK_BOOTTIME. `to_monotonic` takes off what the host slept: a stamp one second
     ahead is one second ahead on the monotonic clock, before a sleep and after one."""
@@ -859,27 +875,22 @@ def test_the_claim_clock_counts_what_monotonic_counts_when_awake(
     assert abs(_clock.to_monotonic(b + 1.0) - (n + 1.0)) < 0.02
     if sys.platform == "linux":
         assert _clock._COUNTS_SLEEP == time.CLOCK_BOOTTIME
-    awake = _clock.now
-    monkeypatch.setattr(_clock, "now", lambda: awake() + 3600.0)  # slept an hour since b
+    slept[0] = 3600.0  # an hour since b
     assert abs(_clock.to_monotonic(b + 1.0) - (time.monotonic() - 3600.0 + 1.0)) < 0.02
 
 
 def test_a_host_that_slept_during_an_attempt_keeps_its_lease_to_the_handlers_deadline(
-        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+        engine: Engine, slept: list[float]) -> None:
     """The host sleeps 2 s while a handler runs (lease 3 s: the handler is held to 2.4 s
     of monotonic time, which the sleep pushed 2 s later in real time). The lease is
     still extended to cover that deadline: the extension is capped on the clock the
     handler is held to, not on the one that counted the sleep (reviewed: capped on the
     boot clock, the lease ran out while the handler could still send)."""
-    from dispatcher import _clock
 
     add_effects(engine, ["slept-mid"], kind="block")
     release, running = threading.Event(), threading.Event()
     reg = Registry()
     reg.register("block", lambda e: (running.set(), release.wait(10))[1] and {"ok": True})
-    slept = [0.0]
-    awake = _clock.now
-    monkeypatch.setattr(_clock, "now", lambda: awake() + slept[0])
     t0 = db_now(engine)
     clock_now = [t0]
     d = Dispatcher(engine, reg, concurrency=1, lease=3, clock=lambda: clock_now[0])
@@ -904,28 +915,19 @@ def test_a_host_that_slept_during_an_attempt_keeps_its_lease_to_the_handlers_dea
 
 
 def test_a_handler_is_held_to_a_monotonic_deadline_after_the_host_slept(
-        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+        engine: Engine, slept: list[float]) -> None:
     """A host that slept 5 s between the claim and the handler's start (lease 30 s, no
     key retention): the handler gets its deadline on time.monotonic()'s scale, the
     sleep taken off (24 s after the claim by the clock that counts it, so 19 s from
     now), not a stamp of the sleep-counting clock, which on Linux is off by the
     host's whole suspended time."""
-    from dispatcher import _clock
 
     add_effects(engine, ["slept-first"], kind="seen")
-    slept = [0.0]
-    awake = _clock.now
-    monkeypatch.setattr(_clock, "now", lambda: awake() + slept[0])
     left: list[float] = []
     reg = Registry()
     reg.register("seen", lambda e: left.append(e.deadline - time.monotonic()) or {"ok": 1})
-
-    class SleepsAfterTheClaim(Dispatcher):
-        def _deliver(self, row: Any, started: float) -> Any:
-            slept[0] += 5.0
-            return super()._deliver(row, started)
-
-    d = SleepsAfterTheClaim(engine, reg, concurrency=1, lease=30, policy=NO_WAIT)
+    d = _sleeping_after_the_claim(slept, 5.0, [])(engine, reg, concurrency=1, lease=30,
+                                                  policy=NO_WAIT)
     try:
         d.drain(budget=10)
     finally:
