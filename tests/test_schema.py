@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,32 +177,20 @@ def test_0008_triggers_and_its_downgrade_round_trip(db_url: str) -> None:
     cascade triggers and no foreign key to effects; downgrading to 0007 brings the
     foreign keys back (after deleting rows a missing effect orphaned) and removes the
     triggers; upgrading again restores head, which still matches the models."""
-    from sqlalchemy import create_engine, make_url
-    from sqlalchemy.pool import NullPool
-
     from outbox._migrate import upgrade
 
-    base = make_url(db_url)
-    name = f"outbox_rt_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT",
-                          poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = base.set(database=name).render_as_string(hide_password=False)
-    scratch = create_engine(url, poolclass=NullPool)
+    with _scratch_database(db_url, "outbox_rt") as (url, scratch):
+        def state() -> tuple[list[str], list[str]]:
+            with scratch.connect() as conn:
+                triggers = conn.execute(text(
+                    "SELECT tgname FROM pg_trigger WHERE tgrelid = 'outbox.effects'::regclass"
+                    " AND NOT tgisinternal ORDER BY tgname")).scalars().all()
+                fks = conn.execute(text(
+                    "SELECT conname FROM pg_constraint WHERE contype = 'f'"
+                    " AND confrelid = 'outbox.effects'::regclass ORDER BY conname")
+                ).scalars().all()
+            return list(triggers), list(fks)
 
-    def state() -> tuple[list[str], list[str]]:
-        with scratch.connect() as conn:
-            triggers = conn.execute(text(
-                "SELECT tgname FROM pg_trigger WHERE tgrelid = 'outbox.effects'::regclass"
-                " AND NOT tgisinternal ORDER BY tgname")).scalars().all()
-            fks = conn.execute(text(
-                "SELECT conname FROM pg_constraint WHERE contype = 'f'"
-                " AND confrelid = 'outbox.effects'::regclass ORDER BY conname")
-            ).scalars().all()
-        return list(triggers), list(fks)
-
-    try:
         upgrade(url)
         assert state() == (["effects_deleted", "effects_truncated"], [])
         with scratch.begin() as conn:  # a key whose effect is gone (written by hand)
@@ -210,6 +200,24 @@ def test_0008_triggers_and_its_downgrade_round_trip(db_url: str) -> None:
         upgrade(url)
         assert state() == (["effects_deleted", "effects_truncated"], [])
         command.check(alembic_config(url))
+
+
+@contextlib.contextmanager
+def _scratch_database(db_url: str, prefix: str) -> Iterator[tuple[str, Engine]]:
+    """A database of its own on the tests' server (its URL and an engine), dropped after."""
+    from sqlalchemy import create_engine, make_url
+    from sqlalchemy.pool import NullPool
+
+    base = make_url(db_url)
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT",
+                          poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = base.set(database=name).render_as_string(hide_password=False)
+    scratch = create_engine(url, poolclass=NullPool)
+    try:
+        yield url, scratch
     finally:
         scratch.dispose()
         with admin.connect() as conn:
@@ -333,36 +341,25 @@ def test_every_writer_may_run_the_rules(db_url: str) -> None:
     table. On a database whose functions are created without EXECUTE for PUBLIC
     (`ALTER DEFAULT PRIVILEGES ... REVOKE`, a common hardening), a role allowed to
     insert effects still can: migration 0013 grants EXECUTE on the rules itself."""
-    from sqlalchemy import create_engine, make_url
-    from sqlalchemy.pool import NullPool
-
     from outbox._migrate import upgrade
 
-    base = make_url(db_url)
-    name = f"outbox_grant_{uuid.uuid4().hex[:8]}"
     role = f"outbox_writer_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT",
-                          poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-        conn.execute(text(f'CREATE ROLE "{role}"'))
-    url = base.set(database=name).render_as_string(hide_password=False)
-    scratch = create_engine(url, poolclass=NullPool)
-    try:
+    with _scratch_database(db_url, "outbox_grant") as (url, scratch):
         with scratch.begin() as conn:
+            conn.execute(text(f'CREATE ROLE "{role}"'))
             conn.execute(text("ALTER DEFAULT PRIVILEGES REVOKE EXECUTE ON FUNCTIONS"
                               " FROM PUBLIC"))
-        upgrade(url)
-        with scratch.begin() as conn:
-            conn.execute(text(f'GRANT USAGE ON SCHEMA outbox TO "{role}"'))
-            conn.execute(text(f'GRANT INSERT ON outbox.effects TO "{role}"'))
-            conn.execute(text(f'GRANT USAGE ON SEQUENCE outbox.effects_id_seq TO "{role}"'))
-            conn.execute(text(f'SET LOCAL ROLE "{role}"'))
-            conn.execute(text("INSERT INTO outbox.effects (effect_key, kind, payload)"
-                              " VALUES ('k', 'k', '{}')"))
-    finally:
-        scratch.dispose()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-            conn.execute(text(f'DROP ROLE IF EXISTS "{role}"'))
-        admin.dispose()
+        try:
+            upgrade(url)
+            with scratch.begin() as conn:
+                conn.execute(text(f'GRANT USAGE ON SCHEMA outbox TO "{role}"'))
+                conn.execute(text(f'GRANT INSERT ON outbox.effects TO "{role}"'))
+                conn.execute(text(f'GRANT USAGE ON SEQUENCE outbox.effects_id_seq'
+                                  f' TO "{role}"'))
+                conn.execute(text(f'SET LOCAL ROLE "{role}"'))
+                conn.execute(text("INSERT INTO outbox.effects (effect_key, kind, payload)"
+                                  " VALUES ('k', 'k', '{}')"))
+        finally:
+            with scratch.begin() as conn:  # its grants, then the role (cluster-wide)
+                conn.execute(text(f'DROP OWNED BY "{role}"'))
+                conn.execute(text(f'DROP ROLE "{role}"'))

@@ -55,7 +55,8 @@ down_revision = "0012"
 branch_labels = None
 depends_on = None
 
-# (rule, the CHECK it was before this revision, the rule): in the order they are reported.
+# (the rule's name, the CHECK it was before this revision, its text), in the order a
+# refused row reports them (the first broken one).
 _EFFECT_RULES = (
     ("status", "effects_effects_status_check_check",
      "status IN ('pending', 'in_flight', 'delivered', 'failed', 'cancelled',"
