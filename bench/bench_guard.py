@@ -21,14 +21,24 @@ Parts, all on the same database and the same engine:
      f_deferred b_atomic with the 2 effects deferred to the key's completion
                (`claim.enqueue_many`): lock + read, the order row, the key and its
                effects in one statement: 1 commit, 2 statements of ours (b: 3)
+     g_raw     a reference, not ours: the guard a careful user hand-rolls in the same
+               SQLAlchemy client, as cheap as a correct one gets (insert-first: the
+               key's INSERT ... ON CONFLICT DO NOTHING, the order row, then one
+               statement completing the key and adding 2 rows to a plain outbox table
+               as pgbench's ceiling has it; 1 commit, the same 5 round trips as
+               f_deferred). It has none of ours: no 409 for a twin (it waits on the
+               key's row lock), no lease for a crashed claim, no effect keys, trace
+               context or doorbell. g/a bounds what any guard in this client can reach.
    Per variant: requests/s, latency p50/p99 (ms), commits per request (counted by an
    engine `commit` listener). Ratios b/a and c/a of requests/s (and of p50), d/b and
    e/b (what detection costs).
 1d. The same across processes (--parts processes): --procs (8) processes of one
-   thread each, as a pre-forking server runs them, a_bare / b_atomic / f_deferred in 3
+   thread each, as a pre-forking server runs them, a_bare / b_atomic / f_deferred /
+   g_raw in 3
    interleaved rounds; requests/s and b/a, f/a. No GIL is shared: the box's cores,
    clients' and server's together, are the limit.
-1c. Client CPU per request (--parts cpu): one thread, a_bare / b_atomic / f_deferred in
+1c. Client CPU per request (--parts cpu): one thread, a_bare / b_atomic / f_deferred /
+   g_raw in
    8 interleaved blocks of 300 requests; the medians and a/b, a/f.
 1b. Detection cost per request, one thread, no contention: --single (1000) requests
    each of b_atomic, d_detect and e_suspect, interleaved b, d, e, b, d, e... so drift
@@ -104,7 +114,8 @@ from outbox.sql import keys as keysql  # noqa: E402
 
 MODES: tuple[Mode, ...] = ("atomic", "phased")
 BODY = {"amount": 42, "currency": "EUR", "customer": "bench"}
-VARIANTS = ("a_bare", "b_atomic", "c_phased", "d_detect", "e_suspect", "f_deferred")
+VARIANTS = ("a_bare", "b_atomic", "c_phased", "d_detect", "e_suspect", "f_deferred",
+            "g_raw")
 PARTS = ("throughput", "processes", "cpu", "single", "storm", "f01")
 
 
@@ -143,6 +154,19 @@ class Bench:
         self.storm_deferred = False  # the storm's work: effects deferred (--storm-deferred)
         self._insert = text(
             f"INSERT INTO {self.table} (key, amount) VALUES (:k, :a) RETURNING id")
+        # g_raw's two tables and three statements (the hand-rolled reference).
+        self.raw_keys, self.raw_outbox = f"{self.table}_keys", f"{self.table}_outbox"
+        self._raw_claim = text(
+            f"INSERT INTO {self.raw_keys} (scope, key, fingerprint, status)"
+            " VALUES (:s, :k, :f, 'processing') ON CONFLICT DO NOTHING RETURNING 1")
+        self._raw_read = text(
+            f"SELECT fingerprint, status, response_status, response_body"
+            f" FROM {self.raw_keys} WHERE scope = :s AND key = :k")
+        self._raw_complete = text(
+            f"WITH done AS (UPDATE {self.raw_keys} SET status = 'completed',"
+            " response_status = :st, response_body = :b WHERE scope = :s AND key = :k)"
+            f" INSERT INTO {self.raw_outbox} (topic, payload) VALUES"
+            " ('bench.charge', CAST(:p1 AS jsonb)), ('bench.receipt', CAST(:p2 AS jsonb))")
         event.listen(engine, "commit", self._on_commit)
 
     # -- bookkeeping -----------------------------------------------------------------
@@ -160,10 +184,27 @@ class Bench:
             conn.execute(text(
                 f"CREATE TABLE {self.table} (id bigserial PRIMARY KEY, key text NOT NULL,"
                 " amount int NOT NULL, created_at timestamptz NOT NULL DEFAULT now())"))
+            conn.execute(text(
+                f"CREATE TABLE {self.raw_keys} (scope text NOT NULL, key text NOT NULL,"
+                " fingerprint text NOT NULL, status text NOT NULL,"
+                " response_status int, response_body bytea,"
+                " created_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (scope, key))"))
+            # pgbench_outbox.py's outbox, as the raw-SQL ceiling has it.
+            conn.execute(text(
+                f"CREATE TABLE {self.raw_outbox} (id bigserial PRIMARY KEY,"
+                " topic text NOT NULL, payload jsonb NOT NULL,"
+                " status text NOT NULL DEFAULT 'pending', attempts int NOT NULL DEFAULT 0,"
+                " created_at timestamptz NOT NULL DEFAULT now(), claimed_at timestamptz,"
+                " delivered_at timestamptz)"))
+            conn.execute(text(f"CREATE INDEX ON {self.raw_outbox} (id)"
+                              " WHERE status = 'pending'"))
+            conn.execute(text(f"CREATE INDEX ON {self.raw_outbox} (claimed_at)"
+                              " WHERE status = 'in_flight'"))
 
     def cleanup(self) -> None:
         with self.engine.begin() as conn:
-            conn.execute(text(f"DROP TABLE IF EXISTS {self.table}"))
+            for table in (self.table, self.raw_keys, self.raw_outbox):
+                conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
             conn.execute(text("DELETE FROM outbox.effects WHERE queue = :q"), {"q": self.queue})
             conn.execute(text("DELETE FROM outbox.idempotency_keys WHERE scope LIKE :s"),
                          {"s": f"bench:{self.run}:%"})
@@ -173,6 +214,25 @@ class Bench:
     def bare(self, key: str) -> None:
         with self.engine.begin() as conn:
             conn.execute(self._insert, {"k": key, "a": 42}).scalar_one()
+
+    def raw(self, scope: str, key: str) -> tuple[int, bytes]:
+        """g_raw: the hand-rolled guard (see the module's docstring). A twin that finds
+        the key replays its answer, or gets 422 / 409 as ours would."""
+        fp = fingerprint("POST", "/orders", BODY)
+        with self.engine.begin() as conn:
+            if conn.execute(self._raw_claim, {"s": scope, "k": key, "f": fp}).first() is None:
+                seen, status, code, body = conn.execute(
+                    self._raw_read, {"s": scope, "k": key}).one()
+                if seen != fp:
+                    return 422, b""
+                return (code, bytes(body)) if status == "completed" else (409, b"")
+            order_id = conn.execute(self._insert, {"k": key, "a": 42}).scalar_one()
+            body = json.dumps({"id": order_id, "amount": 42, "status": "created"}).encode()
+            conn.execute(self._raw_complete, {
+                "s": scope, "k": key, "st": 201, "b": body,
+                "p1": json.dumps({"order_id": order_id, "amount": 42}),
+                "p2": json.dumps({"order_id": order_id})})
+        return 201, body
 
     def work(self, key: str, deferred: bool = False
              ) -> Callable[[Connection, Claim], StoredResponse]:
@@ -211,6 +271,8 @@ class Bench:
             self.guarded(scope, key, "atomic" if variant == "b_atomic" else "phased")
         elif variant == "f_deferred":
             self.guarded(scope, key, "atomic", deferred=True)
+        elif variant == "g_raw":
+            self.raw(scope, key)
         else:
             self.detecting(scope, key, same=variant == "e_suspect")
 
@@ -294,7 +356,7 @@ class Bench:
         interleaved blocks of `requests`; medians of the blocks. With 8 threads the
         client process is CPU-bound on its GIL, so this is what the throughput ratio
         follows on a box whose server has its own core."""
-        variants = ("a_bare", "b_atomic", "f_deferred")
+        variants = ("a_bare", "b_atomic", "f_deferred", "g_raw")
         per: dict[str, list[float]] = {v: [] for v in variants}
         for variant in variants:  # warm plans and caches
             for _ in range(100):
@@ -312,6 +374,10 @@ class Bench:
         out["a_over_b_cpu"] = round(statistics.median(per["a_bare"])
                                     / statistics.median(per["b_atomic"]), 3)
         out["a_over_f_cpu"] = round(statistics.median(per["a_bare"])
+                                    / statistics.median(per["f_deferred"]), 3)
+        out["a_over_g_cpu"] = round(statistics.median(per["a_bare"])
+                                    / statistics.median(per["g_raw"]), 3)
+        out["g_over_f_cpu"] = round(statistics.median(per["g_raw"])
                                     / statistics.median(per["f_deferred"]), 3)
         return out
 
@@ -652,10 +718,13 @@ def throughput(bench: Bench, args: argparse.Namespace, report: dict[str, Any]) -
     tp = bench.throughput(args.seconds, args.concurrency)
     a, b, c = tp["a_bare"], tp["b_atomic"], tp["c_phased"]
     d, e, f = tp["d_detect"], tp["e_suspect"], tp["f_deferred"]
+    g = tp["g_raw"]
     report["throughput"] = tp
     report["ratios"] = {
         "b_over_a_rps": round(b["rps"] / a["rps"], 3),
         "f_over_a_rps": round(f["rps"] / a["rps"], 3),
+        "g_over_a_rps": round(g["rps"] / a["rps"], 3),  # the hand-rolled reference
+        "f_over_g_rps": round(f["rps"] / g["rps"], 3),
         "f_over_b_rps": round(f["rps"] / b["rps"], 3),
         "c_over_a_rps": round(c["rps"] / a["rps"], 3),
         "b_over_a_p50": round(b["p50_ms"] / a["p50_ms"], 3),
@@ -671,7 +740,7 @@ def processes(bench: Bench, args: argparse.Namespace, report: dict[str, Any]) ->
     """Part 1d: --procs processes of one thread each (as a pre-forking server runs a
     request per worker process), a_bare / b_atomic / f_deferred interleaved in 3
     rounds: no GIL shared, so the box's cores (clients and server) are the limit."""
-    variants = ("a_bare", "b_atomic", "f_deferred")
+    variants = ("a_bare", "b_atomic", "f_deferred", "g_raw")
     log(f"processes: {args.procs} x 1 thread, {len(variants)} variants x {args.seconds:g} s")
     done = dict.fromkeys(variants, 0)
     with StormChildren(bench, args.procs, args.procs, args.pool) as kids:
@@ -684,7 +753,9 @@ def processes(bench: Bench, args: argparse.Namespace, report: dict[str, Any]) ->
     rps = {v: round(n / args.seconds, 1) for v, n in done.items()}
     report["processes"] = {"processes": args.procs, "rps": rps,
                            "b_over_a_rps": round(rps["b_atomic"] / rps["a_bare"], 3),
-                           "f_over_a_rps": round(rps["f_deferred"] / rps["a_bare"], 3)}
+                           "f_over_a_rps": round(rps["f_deferred"] / rps["a_bare"], 3),
+                           "g_over_a_rps": round(rps["g_raw"] / rps["a_bare"], 3),
+                           "f_over_g_rps": round(rps["f_deferred"] / rps["g_raw"], 3)}
     log(f"processes: {report['processes']}")
 
 
