@@ -196,10 +196,10 @@ def _after_commit_hook(target: Any) -> tuple[Any, Callable[[Callable[..., None]]
             target = target.sync_connection
         if isinstance(target, Session):
             session = target
-            return session, lambda ring: event.listen(session, "after_commit", ring, once=True)
+            return session, lambda ring: event.listen(session, "after_commit", ring)
         if isinstance(target, Connection):
             conn = target
-            return conn, lambda ring: event.listen(conn, "commit", ring, once=True)
+            return conn, lambda ring: event.listen(conn, "commit", ring)
         return None
     if module.startswith("django.") and hasattr(target, "on_commit"):
         # Django drops on_commit callbacks at rollback: no per-owner folding here (a
@@ -211,8 +211,24 @@ def _after_commit_hook(target: Any) -> tuple[Any, Callable[[Callable[..., None]]
 
 # One pending ring per transaction owner: several enqueue calls in one transaction ring
 # each queue once. Weak keys: a forgotten Session or Connection takes its entry along.
-_pending: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+# Each owner gets ONE listener of ours for its life (`_listening`), not one per
+# transaction: a `once=True` listener stays registered after it ran, so a long-lived
+# Session grew one per committed transaction, and each commit called them all. A
+# transaction rolled back leaves its entry; the owner's next commit rings it (a ring is
+# a hint: a worker that finds nothing due goes back to sleep).
+_pending: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
+_listening: weakref.WeakSet[Any] = weakref.WeakSet()
 _pending_lock = threading.Lock()
+
+
+class _Pending:
+    """The queues one transaction enqueued into, and where its rows went."""
+
+    __slots__ = ("queues", "where")
+
+    def __init__(self, queues: set[str]) -> None:
+        self.queues = queues
+        self.where: Where | None = None
 
 
 def _ring_after_commit(target: Any, queues: set[str]) -> None:
@@ -230,27 +246,33 @@ def _ring_after_commit(target: Any, queues: set[str]) -> None:
     with _pending_lock:
         folded = _pending.get(owner)
         if folded is not None:
-            folded.update(queues)  # a ring is already set up for this transaction
+            folded.queues.update(queues)  # a ring is already set up for this transaction
             return
-        pending = set(queues)
-        _pending[owner] = pending
+        pending = _pending[owner] = _Pending(set(queues))
+        first = owner not in _listening
+        if first:
+            _listening.add(owner)
     # Where the rows go, once per transaction (not per enqueue call folded into it).
-    where = _where(target) if _located else None
+    if _located:
+        pending.where = _where(target)
+    if first:
+        register(_rang)
 
-    def ring(*_: Any) -> None:
-        with _pending_lock:
-            if _pending.get(owner) is pending:
-                del _pending[owner]
-        _ring(pending, where)
 
-    register(ring)
+def _rang(owner: Any, *_: Any) -> None:
+    """An owner's listener (its `after_commit` or `commit` event, which passes the
+    owner first): ring what its transaction enqueued, if anything."""
+    with _pending_lock:
+        pending = _pending.pop(owner, None)
+    if pending is not None:
+        _ring(pending.queues, pending.where)
 
 
 def rings_registered(owner: Any) -> int:
     """How many `commit` listeners of ours `owner` holds (0 or 1): the doorbell's, which
     runs no SQL (IdempotencyGuard may then still send its COMMIT early)."""
     with _pending_lock:
-        return 1 if owner in _pending else 0
+        return 1 if owner in _listening else 0
 
 
 def _ring(queues: set[str], where: Where | None = None) -> None:

@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.orm import scoped_session, sessionmaker
 
 from dispatcher import Dispatcher, Registry
-from outbox import Claim, IdempotencyGuard, StoredResponse, enqueue
+from outbox import Claim, IdempotencyGuard, StoredResponse, add_doorbell, enqueue, remove_doorbell
 from outbox._config import NOTIFY_CHANNEL
 from outbox._enqueue import aenqueue
 from outbox.errors import RequestInProgress
@@ -162,6 +162,72 @@ def test_async_handle_commit_rollback_savepoint(kind: str, engine: Engine,
 
 def _work_counter() -> tuple[list[int], threading.Lock]:
     return [], threading.Lock()
+
+
+def our_listeners(handle: Any) -> int:
+    """The commit listeners a SQLAlchemy handle holds (none of psycopg's: it has none)."""
+    for attr in ("sync_session", "sync_connection"):
+        handle = getattr(handle, attr, handle)
+    if isinstance(handle, scoped_session | async_scoped_session):
+        return our_listeners(handle())
+    dispatch = handle.dispatch
+    return len(dispatch.after_commit if hasattr(dispatch, "after_commit")
+               else dispatch.commit)
+
+
+@pytest.mark.parametrize("kind", [k for k in SYNC if k != "psycopg"])
+def test_a_long_lived_handle_keeps_one_doorbell_listener(kind: str, engine: Engine,
+                                                         db_url: str) -> None:
+    """With an in-process doorbell (Celery's, Django's), a Session or Connection that
+    commits many transactions holds one listener of ours, not one per transaction
+    (a `once` listener stays registered after it ran: the handle grew without bound,
+    and every commit called them all). Each commit still rings once per queue, a
+    rolled-back transaction rings at the next commit (a hint, never a loss), and a
+    transaction without effects rings nothing."""
+    rang: list[str] = []
+    add_doorbell(rang.append)
+    try:
+        with sync_handle(kind, engine, db_url) as (handle, tx):
+            for n in range(50):
+                enqueue(handle, "contract", {"n": n}, key=f"{kind}-{n}", queue="bells")
+                enqueue(handle, "contract", {"n": n}, key=f"{kind}-{n}-b", queue="bells")
+                tx.commit()
+            assert our_listeners(handle) == 1
+            assert rang == ["bells"] * 50
+            enqueue(handle, "contract", {"n": -1}, key=f"{kind}-gone", queue="other")
+            tx.rollback()
+            handle.execute(text("SELECT 1"))
+            tx.commit()
+            assert rang[50:] == ["other"]
+            handle.execute(text("SELECT 1"))
+            tx.commit()
+            assert rang[51:] == [] and our_listeners(handle) == 1
+    finally:
+        remove_doorbell(rang.append)
+    assert len(effect_keys(engine)) == 100
+
+
+@pytest.mark.parametrize("kind", [k for k in ASYNC if k != "psycopg_async"])
+def test_a_long_lived_async_handle_keeps_one_doorbell_listener(kind: str, db_url: str
+                                                               ) -> None:
+    """The same on the async SQLAlchemy handles (their listeners sit on the sync
+    Session or Connection inside)."""
+    rang: list[str] = []
+
+    async def go() -> None:
+        async with async_handle(kind, db_url) as (handle, tx):
+            for n in range(20):
+                await aenqueue(handle, "contract", {"n": n}, key=f"{kind}-{n}",
+                               queue="bells")
+                await tx.commit()
+            assert our_listeners(handle) == 1
+
+    add_doorbell(rang.append)
+    try:
+        asyncio.run(go())
+    finally:
+        remove_doorbell(rang.append)
+    assert rang == ["bells"] * 20
 
 
 @pytest.mark.parametrize("kind", SYNC)
