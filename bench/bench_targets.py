@@ -117,10 +117,17 @@ def main(argv: list[str] | None = None) -> int:
         mark = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
         print(f"  {t['target']:<72} {t['measured']!s:>8}  ({t['kind']} {t['goal']}): {mark}",
               file=sys.stderr)
-    # Not a target: ours against a hand-rolled outbox in the same Python clients (the
-    # rest of the gap to pgbench is the clients' own stack).
-    by_hand = {f"enqueue_{n}c_vs_python_raw": ratios.get(f"enqueue_{n}c_vs_python_raw")
-               for n in (1, 4)}
+    # Not targets: ours against a hand-rolled outbox in the same Python clients (the
+    # rest of the gap to pgbench is the clients' own stack), and the hand-rolled guard
+    # (bench_guard.py's g_raw) against the bare transaction and against ours: what
+    # the guarded target asks of a guard with none of our guarantees.
+    by_hand: dict[str, Any] = {
+        f"enqueue_{n}c_vs_python_raw": ratios.get(f"enqueue_{n}c_vs_python_raw")
+        for n in (1, 4)}
+    for form, part in (("8_threads", g.get("ratios") or {}),
+                       ("8_processes", g.get("processes") or {})):
+        by_hand[f"hand_rolled_guard_vs_bare_{form}"] = part.get("g_over_a_rps")
+        by_hand[f"guarded_vs_hand_rolled_guard_{form}"] = part.get("f_over_g_rps")
     for name, value in by_hand.items():
         print(f"  (for reference) {name:<56} {value!s:>8}", file=sys.stderr)
     print(json.dumps({"bench": "targets", "targets": targets, "by_hand": by_hand,
