@@ -28,7 +28,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from dispatcher import _clock
 from dispatcher.handlers import KEY_RETENTION_SHARE, EffectContext, Registration, Registry
-from dispatcher.policy import RetryPolicy
+from dispatcher.policy import Decision, RetryPolicy
 from outbox._crash import crashpoint
 from outbox._idempotency import Clock
 from outbox._redact import exception_attributes, redact_secrets
@@ -56,6 +56,9 @@ _log = logging.getLogger("outbox.dispatcher")
 T = TypeVar("T")
 
 _DELIVERED = AttemptOutcome.DELIVERED
+# A first attempt not made (the host slept past the key retention after the claim):
+# due again at once, the attempt not counted (_refuse_past_key_retention).
+_NOT_SENT = Decision(AttemptOutcome.RETRY, EffectStatus.PENDING)
 _ST_DELIVERED = EffectStatus.DELIVERED
 
 
@@ -402,7 +405,8 @@ class Executor:
                 if registration is None:
                     raise TransientFailure(f"no handler registered for kind {row.kind!r}")
                 if registration.key_retention is not None:
-                    _refuse_past_key_retention(row, registration, started_at)
+                    _refuse_past_key_retention(row, registration, started_at,
+                                               row.lease_expires_at - self._lease)
                 result = registration.handler(effect)
                 if inspect.isawaitable(result):  # never record a coroutine as delivered
                     result = yield result, effect.deadline
@@ -413,7 +417,8 @@ class Executor:
                 duration = time.perf_counter() - t0
                 # `retry_until` was set from the database clock (or the injected one):
                 # compare it with the same clock, not with this host's wall time.
-                decision = self.policy.decide(
+                unsent = isinstance(exc, KeyRetentionPassed) and exc.unsent
+                decision = _NOT_SENT if unsent else self.policy.decide(
                     attempt=row.attempts, max_attempts=row.max_attempts, error=exc,
                     retry_safe=registration.retry_safe if registration else True,
                     retry_until=_retry_until(row, registration),
@@ -439,7 +444,7 @@ class Executor:
                     error=_db_text(redact_secrets(f"{type(exc).__name__}: {exc}")[:2000]),
                     result=_jsonb_text(detail) if detail is not None else None,
                     http_status=http_status, trace_id=trace_id, kind=row.kind,
-                    queue=row.queue, ordered=row.ordering_key is not None)
+                    queue=row.queue, ordered=row.ordering_key is not None, unsent=unsent)
             duration = time.perf_counter() - t0
             span.set_attribute("outbox.outcome", "delivered")
             delivery_duration.record(duration, delivered_labels)
@@ -605,21 +610,34 @@ def _retry_until(row: Claimed, registration: Registration | None) -> datetime | 
 
 
 def _refuse_past_key_retention(row: Claimed, registration: Registration,
-                               now: datetime) -> None:
+                               now: datetime, claimed_at: datetime) -> None:
     """An attempt sent once the receiver may have forgotten the key (a retry due late,
     a lease rescued late, a bulk redrive) would be a new request to it: if an earlier
     attempt was applied, the effect would be applied twice. Raise instead, before
-    anything is sent. The first claim's own attempt is refused only if its host slept
-    past the horizon between the claim and now (dispatcher/_clock.py): its lease ran
-    out meanwhile and another worker may have sent it, though possibly nobody did
-    (the operator checks, as the message says)."""
+    anything is sent.
+
+    The first claim's own attempt gets here only if its host slept past the horizon
+    between the claim (`claimed_at`) and now (dispatcher/_clock.py). Then nothing was
+    sent by us, and if our record lands, by nobody: the lease ran out meanwhile, and
+    another worker's claim would have taken the lease token that fences the record.
+    That attempt is `unsent` (KeyRetentionPassed.unsent): recorded as not made, the
+    effect due again as a first contact. Any other is parked for the operator, who
+    checks with the receiver, as the message says."""
     first = _first_contact(row)
     horizon = registration.retry_until(first, None)
-    if horizon is not None and now >= horizon:
+    if horizon is None or now < horizon:
+        return
+    if row.attempts == 1 and row.first_claimed_at == claimed_at:
         raise KeyRetentionPassed(
-            f"not sent: attempt {row.attempts} would reach the receiver "
-            f"{(now - first).total_seconds():.0f} s after the effect's first attempt, "
-            f"past {KEY_RETENTION_SHARE:.0%} of its key retention "
-            f"({registration.key_retention:g} s): it may have forgotten the key and apply "
-            "the effect again. An earlier attempt may have been applied: check with the "
-            "receiver, then `outbox retry` this effect by id to send it anyway")
+            f"not sent: the host slept {(now - first).total_seconds():.0f} s between the "
+            "effect's first claim and its first attempt, past "
+            f"{KEY_RETENTION_SHARE:.0%} of its key retention "
+            f"({registration.key_retention:g} s); nothing was sent: due again, as a "
+            "first contact", unsent=True)
+    raise KeyRetentionPassed(
+        f"not sent: attempt {row.attempts} would reach the receiver "
+        f"{(now - first).total_seconds():.0f} s after the effect's first attempt, "
+        f"past {KEY_RETENTION_SHARE:.0%} of its key retention "
+        f"({registration.key_retention:g} s): it may have forgotten the key and apply "
+        "the effect again. An earlier attempt may have been applied: check with the "
+        "receiver, then `outbox retry` this effect by id to send it anyway")

@@ -187,7 +187,15 @@ class PermanentFailure(DeliveryError):
 
 class KeyRetentionPassed(PermanentFailure):
     """Not sent: a retry would reach the receiver after it may have forgotten the
-    effect's key (`Registry.register(..., key_retention=)`), and then apply it again."""
+    effect's key (`Registry.register(..., key_retention=)`), and then apply it again.
+
+    `unsent`: the effect's first attempt, refused because its host slept past the
+    retention after the claim. Nothing was sent, so it is due again as a first contact
+    rather than parked (dispatcher/executor.py)."""
+
+    def __init__(self, message: str = "delivery failed", *, unsent: bool = False) -> None:
+        super().__init__(message)
+        self.unsent = unsent
 
 
 class TransientFailure(DeliveryError):

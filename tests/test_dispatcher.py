@@ -822,41 +822,96 @@ def slept(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return asleep
 
 
-def _sleeping_after_the_claim(slept: list[float], seconds: float,
-                              deadlines: list[float]) -> type[Dispatcher]:
-    """A Dispatcher whose host sleeps `seconds` between each claim and its handler's
-    start; the attempt's deadline (Executor.deadline) of each goes to `deadlines`."""
+def _sleeping_after_the_claim(slept: list[float], seconds: float, deadlines: list[float],
+                              *, claims: int | None = None,
+                              meanwhile: Callable[[Any], None] | None = None
+                              ) -> type[Dispatcher]:
+    """A Dispatcher whose host sleeps `seconds` between each claim (the first `claims`
+    only, if given) and its handler's start; the attempt's deadline (Executor.deadline)
+    of each goes to `deadlines`. `meanwhile(row)` runs during each sleep: what the rest
+    of the world did while this host was suspended."""
+    left = [claims]
 
     class SleepsAfterTheClaim(Dispatcher):
         def _deliver(self, row: Any, started: float) -> Any:
-            slept[0] += seconds
+            if left[0] is None or left[0] > 0:
+                slept[0] += seconds
+                left[0] = None if left[0] is None else left[0] - 1
+                if meanwhile is not None:
+                    meanwhile(row)
             deadlines.append(self.executor.deadline(started))
             return super()._deliver(row, started)
 
     return SleepsAfterTheClaim
 
 
-def test_f24_a_host_that_slept_after_the_claim_does_not_send_past_the_key_retention(
+def test_f24_a_host_that_slept_after_the_first_claim_sends_it_as_a_first_contact(
         engine: Engine, psp: Receiver, slept: list[float]) -> None:
-    """The host is suspended for 2 h between the claim and the handler's start (a
-    laptop lid, a paused VM): the database's clock ran on, the monotonic one did not.
-    The attempt is dated on dispatcher._clock, which counts the sleep (CLOCK_BOOTTIME),
-    so it is past the receiver's key retention (1 h): not sent, parked. Dated by
-    time.monotonic() it was 'one second after the claim', and sent."""
+    """The host is suspended for 2 h between the effect's first claim and its first
+    attempt (a laptop lid, a paused VM): the database's clock ran on, the monotonic one
+    did not. The attempt is dated on dispatcher._clock, which counts the sleep
+    (CLOCK_BOOTTIME), so it is past the receiver's key retention (1 h): not sent. Dated
+    by time.monotonic() it was 'one second after the claim', and sent. No other worker
+    claimed the effect meanwhile (the record's lease token still matched), so nobody
+    sent it: the attempt is recorded as not made, its count given back and its first
+    contact cleared, and the next claim sends it as a first contact. Applied once;
+    before, it was parked for an operator to check a send that never happened."""
     from dispatcher import _clock
 
-    add_effects(engine, ["f24-slept"], kind="psp.charge")
+    [effect_id] = add_effects(engine, ["f24-slept"], kind="psp.charge")
     seen: list[float] = []
-    d = _sleeping_after_the_claim(slept, 2 * 3600, seen)(
+    first: list[Any] = []
+    d = _sleeping_after_the_claim(slept, 2 * 3600, seen, claims=1, meanwhile=first.append)(
         engine, _charges_kept_an_hour(psp), concurrency=1, policy=NO_WAIT)
     try:
         d.drain(budget=10)
     finally:
         d.shutdown(0)
-    _parked_unsent(engine, psp, "f24-slept", attempts=1)
+    row = effect_row(engine, "f24-slept")
+    assert (row.status, row.attempts) == ("delivered", 1)
+    assert [(k["deliveries"], k["applied"]) for k in psp.ledger("f24-slept")["keys"]] == [
+        (1, 1)]
+    history = {a.outcome: a for a in attempts_of(engine, effect_id)}
+    assert sorted((a.attempt, o) for o, a in history.items()) == [
+        (1, "delivered"), (1, "retry")]
+    assert history["retry"].error.startswith("KeyRetentionPassed: not sent: the host slept")
+    # The key's retention counts from the second claim, the first contact, not the first.
+    assert row.first_claimed_at > first[0].first_claimed_at
     # The handler's deadline stays on the monotonic clock (asyncio's, and what
     # EffectContext documents): past, after the sleep.
     assert _clock.to_monotonic(seen[0]) < time.monotonic()
+
+
+def test_f24_a_host_that_slept_while_another_worker_took_the_effect_gives_nothing_back(
+        engine: Engine, psp: Receiver, slept: list[float]) -> None:
+    """As above, but while this host slept its lease ran out and another worker claimed
+    the effect (its second attempt, in flight there). This host sends nothing, and its
+    record is fenced by the lease token it no longer holds: `lease_lost`, the other
+    worker's attempt count and first contact left as they are (an unfenced "not
+    made" would have handed out an attempt and restarted the key's retention under
+    a delivery that may reach the receiver)."""
+    [effect_id] = add_effects(engine, ["f24-taken"], kind="psp.charge")
+    first: list[Any] = []
+
+    def taken_meanwhile(row: Any) -> None:
+        first.append(row)
+        later = row.lease_expires_at + timedelta(hours=1)
+        assert [r.id for r in claim(engine, owner="other", lease=3600, now=later)] == [
+            effect_id]
+
+    d = _sleeping_after_the_claim(slept, 2 * 3600, [], claims=1,
+                                  meanwhile=taken_meanwhile)(
+        engine, _charges_kept_an_hour(psp), concurrency=1, policy=NO_WAIT)
+    try:
+        d.drain(budget=3)
+    finally:
+        d.shutdown(0)
+    row = effect_row(engine, "f24-taken")
+    assert (row.status, row.attempts, row.lease_owner) == ("in_flight", 2, "other")
+    history = attempts_of(engine, effect_id)
+    assert [(a.attempt, a.outcome) for a in history] == [(1, "lease_lost")]
+    assert row.first_claimed_at == first[0].first_claimed_at  # the first claim's, kept
+    assert psp.ledger("f24-taken")["keys"] == []
 
 
 def test_the_claim_clock_counts_what_monotonic_counts_when_awake(slept: list[float]

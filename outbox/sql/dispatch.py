@@ -287,6 +287,10 @@ class Outcome(NamedTuple):
     queue: str = ""
     # Never written: the effect has an ordering key (its successor may be unblocked).
     ordered: bool = False
+    # The attempt was not made (a first attempt whose host slept past the key
+    # retention after the claim): not counted, and the effect's next claim is its
+    # first contact again (first_claimed_at cleared).
+    unsent: bool = False
 
 
 # The batch is one jsonb parameter (an array of objects, keys as in `v` below):
@@ -297,10 +301,12 @@ _RECORD = _sql(
         SELECT * FROM jsonb_to_recordset(CAST(:batch AS jsonb))
           AS v(id bigint, token uuid, attempt int, outcome text, next_status text,
                delay float8, error text, result text, http_status int,
-               started_at timestamptz, trace_id text)
+               started_at timestamptz, trace_id text, unsent boolean)
     ), upd AS (
         UPDATE outbox.effects e
            SET status = v.next_status,
+               attempts = CASE WHEN v.unsent THEN e.attempts - 1 ELSE e.attempts END,
+               first_claimed_at = CASE WHEN v.unsent THEN NULL ELSE e.first_claimed_at END,
                available_at = CASE WHEN v.next_status = 'pending'
                                    THEN {_NOW} + make_interval(secs => coalesce(v.delay, 0))
                                    ELSE e.available_at END,
@@ -366,7 +372,7 @@ _RECORD = _sql(
 
 
 def _outcome_json(o: Outcome) -> dict[str, Any]:
-    # Keys left out are NULL to jsonb_to_recordset: a plain delivery sends six of eleven.
+    # Keys left out are NULL to jsonb_to_recordset: a plain delivery sends six of twelve.
     out: dict[str, Any] = {
         "id": o.effect_id, "token": str(o.lease_token), "attempt": o.attempt,
         "outcome": str(o.outcome), "next_status": str(o.next_status),
@@ -381,6 +387,8 @@ def _outcome_json(o: Outcome) -> dict[str, Any]:
         out["http_status"] = o.http_status
     if o.trace_id is not None:
         out["trace_id"] = o.trace_id
+    if o.unsent:
+        out["unsent"] = True
     return out
 
 
