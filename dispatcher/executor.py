@@ -47,6 +47,7 @@ from outbox._telemetry import (
 from outbox.errors import (
     AmbiguousOutcome,
     DeliveryError,
+    FirstAttemptTooLate,
     KeyRetentionPassed,
     TransientFailure,
 )
@@ -56,8 +57,8 @@ _log = logging.getLogger("outbox.dispatcher")
 T = TypeVar("T")
 
 _DELIVERED = AttemptOutcome.DELIVERED
-# A first attempt not made (the host slept past the key retention after the claim):
-# due again at once, the attempt not counted (_refuse_past_key_retention).
+# A first attempt not made (FirstAttemptTooLate, _past_key_retention): due again at
+# once, the attempt not counted, its first contact cleared.
 _NOT_SENT = Decision(AttemptOutcome.RETRY, EffectStatus.PENDING)
 _ST_DELIVERED = EffectStatus.DELIVERED
 
@@ -401,12 +402,15 @@ class Executor:
                 created_at=row.created_at,
                 ordering_key=row.ordering_key)
             t0 = time.perf_counter()
+            refused: KeyRetentionPassed | None = None
             try:
                 if registration is None:
                     raise TransientFailure(f"no handler registered for kind {row.kind!r}")
                 if registration.key_retention is not None:
-                    _refuse_past_key_retention(row, registration, started_at,
-                                               row.lease_expires_at - self._lease)
+                    refused = _past_key_retention(row, registration, started_at,
+                                                  self._lease)
+                    if refused is not None:
+                        raise refused
                 result = registration.handler(effect)
                 if inspect.isawaitable(result):  # never record a coroutine as delivered
                     result = yield result, effect.deadline
@@ -417,7 +421,8 @@ class Executor:
                 duration = time.perf_counter() - t0
                 # `retry_until` was set from the database clock (or the injected one):
                 # compare it with the same clock, not with this host's wall time.
-                unsent = isinstance(exc, KeyRetentionPassed) and exc.unsent
+                # Not made only if it is our own refusal: never on a handler's word.
+                unsent = exc is refused and isinstance(exc, FirstAttemptTooLate)
                 decision = _NOT_SENT if unsent else self.policy.decide(
                     attempt=row.attempts, max_attempts=row.max_attempts, error=exc,
                     retry_safe=registration.retry_safe if registration else True,
@@ -609,35 +614,46 @@ def _retry_until(row: Claimed, registration: Registration | None) -> datetime | 
     return registration.retry_until(_first_contact(row), row.retry_until)
 
 
-def _refuse_past_key_retention(row: Claimed, registration: Registration,
-                               now: datetime, claimed_at: datetime) -> None:
-    """An attempt sent once the receiver may have forgotten the key (a retry due late,
-    a lease rescued late, a bulk redrive) would be a new request to it: if an earlier
-    attempt was applied, the effect would be applied twice. Raise instead, before
-    anything is sent.
+def _past_key_retention(row: Claimed, registration: Registration, now: datetime,
+                        lease: timedelta) -> KeyRetentionPassed | None:
+    """The refusal of an attempt sent once the receiver may have forgotten the key (a
+    retry due late, a lease rescued late, a bulk redrive): it would be a new request to
+    the receiver, and if an earlier attempt was applied, the effect would be applied
+    twice. None if the attempt is in time.
 
-    The first claim's own attempt gets here only if its host slept past the horizon
-    between the claim (`claimed_at`) and now (dispatcher/_clock.py). Then nothing was
-    sent by us, and if our record lands, by nobody: the lease ran out meanwhile, and
-    another worker's claim would have taken the lease token that fences the record.
-    That attempt is `unsent` (KeyRetentionPassed.unsent): recorded as not made, the
-    effect due again as a first contact. Any other is parked for the operator, who
-    checks with the receiver, as the message says."""
+    The effect's first attempt gets here only if it starts more than a lease after its
+    claim: its host was suspended (dispatcher/_clock.py counts that) or the process
+    stalled. Nothing was sent then by us, and if our record lands, by nobody: another
+    worker's claim would have taken the lease token that fences the record. So it is
+    `FirstAttemptTooLate`, recorded as not made: not counted, and the next claim its
+    first contact. Only where the horizon lies more than a lease after the claim: a
+    retention too short for any attempt to start in time is parked, not handed back
+    at once forever. Any other refusal is parked for the operator, who checks with the
+    receiver, as the message says."""
     first = _first_contact(row)
     horizon = registration.retry_until(first, None)
     if horizon is None or now < horizon:
-        return
-    if row.attempts == 1 and row.first_claimed_at == claimed_at:
-        raise KeyRetentionPassed(
-            f"not sent: the host slept {(now - first).total_seconds():.0f} s between the "
-            "effect's first claim and its first attempt, past "
+        return None
+    claimed_at = row.lease_expires_at - lease
+    # This claim set the first contact (its own now(); a µs apart at most, where
+    # timedelta and make_interval round a half-µs lease differently).
+    ours = row.first_claimed_at is not None \
+        and abs(row.first_claimed_at - claimed_at) <= _ONE_MICROSECOND
+    if row.attempts == 1 and ours and horizon - claimed_at > lease:
+        return FirstAttemptTooLate(
+            f"not sent: the first attempt would reach the receiver "
+            f"{(now - first).total_seconds():.0f} s after its claim (this host was "
+            "suspended, or the process stalled, longer than the lease), past "
             f"{KEY_RETENTION_SHARE:.0%} of its key retention "
             f"({registration.key_retention:g} s); nothing was sent: due again, as a "
-            "first contact", unsent=True)
-    raise KeyRetentionPassed(
+            "first contact")
+    return KeyRetentionPassed(
         f"not sent: attempt {row.attempts} would reach the receiver "
         f"{(now - first).total_seconds():.0f} s after the effect's first attempt, "
         f"past {KEY_RETENTION_SHARE:.0%} of its key retention "
         f"({registration.key_retention:g} s): it may have forgotten the key and apply "
         "the effect again. An earlier attempt may have been applied: check with the "
         "receiver, then `outbox retry` this effect by id to send it anyway")
+
+
+_ONE_MICROSECOND = timedelta(microseconds=1)

@@ -250,18 +250,23 @@ def _ring_after_commit(target: Any, queues: set[str]) -> None:
             return
         pending = _pending[owner] = _Pending(set(queues))
         first = owner not in _listening
-        if first:
-            _listening.add(owner)
     # Where the rows go, once per transaction (not per enqueue call folded into it).
     if _located:
         pending.where = _where(target)
     if first:
         register(_rang)
+        with _pending_lock:  # marked once registered: a failed one is tried again
+            _listening.add(owner)
 
 
 def _rang(owner: Any, *_: Any) -> None:
     """An owner's listener (its `after_commit` or `commit` event, which passes the
-    owner first): ring what its transaction enqueued, if anything."""
+    owner first): ring what its transaction enqueued, if anything. A Session fires
+    `after_commit` for a released savepoint too: that is not the COMMIT, so the ring
+    waits for it (rung then, a worker would find nothing yet)."""
+    nested = getattr(owner, "in_nested_transaction", None)
+    if nested is not None and nested():
+        return
     with _pending_lock:
         pending = _pending.pop(owner, None)
     if pending is not None:

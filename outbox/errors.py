@@ -187,15 +187,16 @@ class PermanentFailure(DeliveryError):
 
 class KeyRetentionPassed(PermanentFailure):
     """Not sent: a retry would reach the receiver after it may have forgotten the
-    effect's key (`Registry.register(..., key_retention=)`), and then apply it again.
+    effect's key (`Registry.register(..., key_retention=)`), and then apply it again."""
 
-    `unsent`: the effect's first attempt, refused because its host slept past the
-    retention after the claim. Nothing was sent, so it is due again as a first contact
-    rather than parked (dispatcher/executor.py)."""
 
-    def __init__(self, message: str = "delivery failed", *, unsent: bool = False) -> None:
-        super().__init__(message)
-        self.unsent = unsent
+class FirstAttemptTooLate(KeyRetentionPassed):
+    """Not sent, and the attempt not counted: the effect's first attempt would have
+    reached the receiver past its key retention, because this host was suspended (or
+    the process stalled) longer than the lease between the claim and the send. Nobody
+    sent it (the record's lease token shows nobody claimed it meanwhile), so the next
+    claim is its first contact. Only the dispatcher's own refusal counts as this; a
+    handler raising it is a KeyRetentionPassed like any other (parked)."""
 
 
 class TransientFailure(DeliveryError):

@@ -874,7 +874,8 @@ def test_f24_a_host_that_slept_after_the_first_claim_sends_it_as_a_first_contact
     history = {a.outcome: a for a in attempts_of(engine, effect_id)}
     assert sorted((a.attempt, o) for o, a in history.items()) == [
         (1, "delivered"), (1, "retry")]
-    assert history["retry"].error.startswith("KeyRetentionPassed: not sent: the host slept")
+    assert history["retry"].error.startswith(
+        "FirstAttemptTooLate: not sent: the first attempt would reach the receiver 7200 s")
     # The key's retention counts from the second claim, the first contact, not the first.
     assert row.first_claimed_at > first[0].first_claimed_at
     # The handler's deadline stays on the monotonic clock (asyncio's, and what
@@ -912,6 +913,48 @@ def test_f24_a_host_that_slept_while_another_worker_took_the_effect_gives_nothin
     assert [(a.attempt, a.outcome) for a in history] == [(1, "lease_lost")]
     assert row.first_claimed_at == first[0].first_claimed_at  # the first claim's, kept
     assert psp.ledger("f24-taken")["keys"] == []
+
+
+def test_f24_a_key_retention_too_short_for_any_first_attempt_parks_it(
+        engine: Engine, psp: Receiver) -> None:
+    """No sleep, but a key retention shorter than the time any attempt takes to start
+    (1 µs, against a lease of 30 s): the first attempt is past the horizon every
+    time. It is parked, counted, as any refusal; handed back as not made, it would be
+    claimed and handed back again at once, forever (reviewed)."""
+    registry = Registry()
+    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
+                      key_retention=1e-6)
+    add_effects(engine, ["f24-short"], kind="psp.charge")
+    d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT)
+    try:
+        d.drain(budget=5)
+    finally:
+        d.shutdown(0)
+    _parked_unsent(engine, psp, "f24-short", attempts=1)
+
+
+def test_f24_a_handler_cannot_hand_its_attempt_back(engine: Engine) -> None:
+    """Only the dispatcher's own refusal makes an attempt 'not made'. A handler that
+    raises FirstAttemptTooLate itself (after sending, say) is a KeyRetentionPassed like
+    any other: parked, the attempt counted, the first contact kept. Handed back, the
+    key's retention would restart under a send that happened (reviewed)."""
+    from outbox.errors import FirstAttemptTooLate
+
+    registry = Registry()
+
+    def sends_then_lies(effect: EffectContext) -> None:
+        raise FirstAttemptTooLate("sent, then claims it was not")
+
+    registry.register("liar", sends_then_lies, key_retention=3600)
+    add_effects(engine, ["f24-liar"], kind="liar")
+    d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT)
+    try:
+        d.drain(budget=5)
+    finally:
+        d.shutdown(0)
+    row = effect_row(engine, "f24-liar")
+    assert (row.status, row.attempts) == ("needs_review", 1)
+    assert row.first_claimed_at is not None
 
 
 def test_the_claim_clock_counts_what_monotonic_counts_when_awake(slept: list[float]
