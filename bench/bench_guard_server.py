@@ -23,10 +23,13 @@ these forms; COMMIT.
     full            + the doorbell (`outbox.ring`: the watcher check and the NOTIFY);
                     what `guard.run` sends
 
-Each form runs in --blocks interleaved blocks of --requests transactions; per form,
-the median over blocks of the server backend's CPU time per transaction, read from
-/proc/<backend pid>/schedstat (nanoseconds, that one process only, so the server
-must run on this host). No dispatcher listens, so every NOTIFY goes out (as when
+Each form runs in --blocks interleaved blocks of --requests transactions (after a
+warm-up of as many per form, at least 300); per form, the median over blocks of the
+server backend's CPU time per transaction, read from /proc/<backend pid>/schedstat
+(nanoseconds, that one process only, so the server must run on this host: the WAL
+writer, checkpointer and background writer's share of the extra rows is not in it),
+and per step the difference of two forms within each block (paired), its median and
+range. No dispatcher listens, so every NOTIFY goes out (as when
 every worker is idle); a worker that keeps watch over the queue makes `outbox.ring`
 skip it. A scratch database (`<database>_guard_server`) is created on $DATABASE_URL's
 server, migrated, used and dropped.
@@ -179,8 +182,8 @@ def measure(url: str, requests: int, blocks: int) -> dict[str, Any]:
 
     runs: dict[str, Callable[[], None]] = {
         name: (lambda sql=sql: request(sql)) for name, sql in shapes.items()}
-    for run in runs.values():  # plans, prepared statements, caches
-        for _ in range(100):
+    for run in runs.values():  # plans, prepared statements, caches, index growth
+        for _ in range(max(300, requests // 2)):
             run()
     per: dict[str, list[float]] = {name: [] for name in runs}
     for b in range(blocks):
@@ -192,18 +195,25 @@ def measure(url: str, requests: int, blocks: int) -> dict[str, Any]:
         log(f"block {b + 1}/{blocks} done")
     conn.close()
     medians = {name: round(statistics.median(v), 1) for name, v in per.items()}
-    steps = {
-        "plain_rows_us": medians["key_plain_rows"] - medians["key_only"],
-        "effect_rows_us": medians["effect_rows"] - medians["key_only"],
-        "row_rules_us": medians["effect_rows"] - medians["effect_rows_no_check"],
-        "indexes_and_rules_us": medians["effect_rows"] - medians["effect_rows_few_indexes"],
-        "effect_keys_us": medians["effect_keys"] - medians["effect_rows"],
-        "doorbell_us": medians["full"] - medians["effect_keys"],
-        "full_over_plain_us": medians["full"] - medians["key_plain_rows"],
+    # Each step's cost as the difference of two forms in the same block (paired: the
+    # box's drift between blocks cancels), its median and range over the blocks.
+    pairs = {
+        "plain_rows_us": ("key_plain_rows", "key_only"),
+        "effect_rows_us": ("effect_rows", "key_only"),
+        "row_rules_us": ("effect_rows", "effect_rows_no_check"),
+        "indexes_and_rules_us": ("effect_rows", "effect_rows_few_indexes"),
+        "effect_keys_us": ("effect_keys", "effect_rows"),
+        "doorbell_us": ("full", "effect_keys"),
+        "full_over_plain_us": ("full", "key_plain_rows"),
     }
+    added: dict[str, dict[str, float]] = {}
+    for step, (a, b) in pairs.items():
+        diffs = [x - y for x, y in zip(per[a], per[b], strict=True)]
+        added[step] = {"median": round(statistics.median(diffs), 1),
+                       "min": round(min(diffs), 1), "max": round(max(diffs), 1)}
     return {"backend_us_per_transaction": medians,
             "blocks_us": {k: [round(x, 1) for x in v] for k, v in per.items()},
-            "added_us": {k: round(v, 1) for k, v in steps.items()}}
+            "added_us": added}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
