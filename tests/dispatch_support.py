@@ -5,13 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from sqlalchemy import Engine, Row, text
 
 from outbox import Effect, enqueue_many
 from outbox._driver import sync_db
+
+if TYPE_CHECKING:
+    from dispatcher import Dispatcher
 
 
 def db_now(engine: Engine) -> datetime:
@@ -107,3 +110,11 @@ class CountingDriver:
                 query = flow.send(query.parse(self.db.execute(query.statement, query.params)))
         except StopIteration as done:
             return done.value
+
+
+def drain_then_shut_down(d: Dispatcher, budget: float) -> None:
+    """One drain; the Dispatcher is shut down after it whatever the drain did."""
+    try:
+        d.drain(budget=budget)
+    finally:
+        d.shutdown(0)

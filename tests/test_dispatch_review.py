@@ -32,6 +32,7 @@ from tests.dispatch_support import (
     add_effects,
     attempts_of,
     db_now,
+    drain_then_shut_down,
     effect_row,
     keys,
     status_counts,
@@ -40,15 +41,6 @@ from tests.dispatch_support import (
 from tests.otel_helpers import span_exporter
 from tests.tcp_proxy import TcpProxy
 from tests.test_faults import pg_upstream, via_proxy
-
-
-def _drain_then_shut_down(d: Dispatcher, budget: float) -> None:
-    """One drain; the Dispatcher is shut down after it whatever the drain did."""
-    try:
-        d.drain(budget=budget)
-    finally:
-        d.shutdown(0)
-
 
 # --------------------------------------------------------------------------- item 3
 
@@ -75,7 +67,7 @@ def test_async_handler_runs_before_the_delivery_is_recorded(engine: Engine) -> N
 
     expected = keys("async", 6)
     add_effects(engine, expected, kind="async")
-    _drain_then_shut_down(Dispatcher(engine, reg, concurrency=3), budget=10)
+    drain_then_shut_down(Dispatcher(engine, reg, concurrency=3), budget=10)
     assert status_counts(engine) == {"delivered": 6}
     assert ran == dict.fromkeys(expected, 1)
     assert len(loops) == 1
@@ -99,7 +91,7 @@ def test_a_sync_handler_returning_an_awaitable_is_awaited(engine: Engine) -> Non
     reg = Registry()
     reg.register("wrapped", lambda e: work(e))
     add_effects(engine, ["wrapped-1"], kind="wrapped")
-    _drain_then_shut_down(Dispatcher(engine, reg), budget=10)
+    drain_then_shut_down(Dispatcher(engine, reg), budget=10)
     assert ran == ["wrapped-1"]
     assert effect_row(engine, "wrapped-1").result == {"ok": True}
 
@@ -170,7 +162,7 @@ def test_async_handler_past_its_deadline_is_cancelled_as_ambiguous(engine: Engin
     [eid] = add_effects(engine, ["a-hangs"], kind="hangs")
     d = Dispatcher(engine, reg, lease=1.0)  # deadline: 0.8 s after the start
     t = time.monotonic()
-    _drain_then_shut_down(d, budget=10)
+    drain_then_shut_down(d, budget=10)
     assert cancelled.is_set()
     assert time.monotonic() - t < 10
     assert effect_row(engine, "a-hangs").status == "needs_review"
@@ -296,7 +288,7 @@ def test_shutdown_release_on_the_last_attempt_dead_letters(engine: Engine) -> No
     [a] = attempts_of(engine, eid)
     assert a.outcome == "failed" and a.error.startswith("released")
     # A fresh worker finds nothing to run: the handler ran once, as the cap says.
-    _drain_then_shut_down(Dispatcher(engine, reg), budget=2)
+    drain_then_shut_down(Dispatcher(engine, reg), budget=2)
     assert calls == ["release-cap"]
     assert effect_row(engine, "release-cap").attempts == 1
 

@@ -42,6 +42,7 @@ from tests.dispatch_support import (
     add_effects,
     attempts_of,
     db_now,
+    drain_then_shut_down,
     effect_row,
     keys,
     outcome_counts,
@@ -518,10 +519,7 @@ def test_f22_http_classification_table(engine: Engine, psp: Receiver, http_cls: 
         add_effects(engine, [key], kind=kind, payload=lambda i, k: {"amount": i})
     d = Dispatcher(engine, _http_registry(psp.url, cls=http_cls), concurrency=32,
                    policy=NO_WAIT)
-    try:
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 10)
     got: dict[str, tuple[str, str, float | None]] = {}
     with engine.connect() as conn:
         for r in conn.execute(text(
@@ -678,10 +676,7 @@ def test_f24_no_retry_is_sent_past_the_receivers_key_retention(
     with engine.begin() as conn:
         assert requeue(conn, [row.id]) == [row.id]
     d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT)
-    try:
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 10)
     assert effect_row(engine, "f24-held").status == "delivered"
     [entry] = psp.ledger("f24-held")["keys"]
     assert (entry["deliveries"], entry["applied"]) == (2, 2)  # the operator's choice
@@ -767,10 +762,7 @@ def test_f24_no_retry_is_scheduled_past_the_receivers_key_retention(
     clock[0] += timedelta(seconds=3601)  # f24-delayed falls due, an hour after creation
     soon = Dispatcher(engine, registry, concurrency=2,
                       policy=RetryPolicy(wait=wait_fixed(60)), clock=lambda: clock[0])
-    try:
-        soon.drain(budget=10)
-    finally:
-        soon.shutdown(0)
+    drain_then_shut_down(soon, 10)
     late_row, delayed = effect_row(engine, "f24-late"), effect_row(engine, "f24-delayed")
     assert (late_row.status, late_row.attempts) == ("failed", 1)
     assert late_row.last_error.startswith("TransientFailure: HTTP 500")
@@ -787,10 +779,7 @@ def test_f24_a_lost_lease_redelivered_past_the_key_retention_is_not_sent(
     clock = [t0 + timedelta(hours=2)]
     d = Dispatcher(engine, _charges_kept_an_hour(psp), concurrency=1, policy=NO_WAIT,
                    clock=lambda: clock[0])
-    try:
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 10)
     _parked_unsent(engine, psp, "f24-rescued", attempts=2)
 
 
@@ -863,10 +852,7 @@ def test_f24_a_host_that_slept_after_the_first_claim_sends_it_as_a_first_contact
     first: list[Any] = []
     d = _sleeping_after_the_claim(slept, 2 * 3600, seen, claims=1, meanwhile=first.append)(
         engine, _charges_kept_an_hour(psp), concurrency=1, policy=NO_WAIT)
-    try:
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 10)
     row = effect_row(engine, "f24-slept")
     assert (row.status, row.attempts) == ("delivered", 1)
     assert [(k["deliveries"], k["applied"]) for k in psp.ledger("f24-slept")["keys"]] == [
@@ -903,10 +889,7 @@ def test_f24_a_host_that_slept_while_another_worker_took_the_effect_gives_nothin
     d = _sleeping_after_the_claim(slept, 2 * 3600, [], claims=1,
                                   meanwhile=taken_meanwhile)(
         engine, _charges_kept_an_hour(psp), concurrency=1, policy=NO_WAIT)
-    try:
-        d.drain(budget=3)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 3)
     row = effect_row(engine, "f24-taken")
     assert (row.status, row.attempts, row.lease_owner) == ("in_flight", 2, "other")
     history = attempts_of(engine, effect_id)
@@ -926,10 +909,7 @@ def test_f24_a_key_retention_too_short_for_any_first_attempt_parks_it(
                       key_retention=1e-6)
     add_effects(engine, ["f24-short"], kind="psp.charge")
     d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT)
-    try:
-        d.drain(budget=5)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 5)
     _parked_unsent(engine, psp, "f24-short", attempts=1)
 
 
@@ -948,10 +928,7 @@ def test_f24_a_handler_cannot_hand_its_attempt_back(engine: Engine) -> None:
     registry.register("liar", sends_then_lies, key_retention=3600)
     add_effects(engine, ["f24-liar"], kind="liar")
     d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT)
-    try:
-        d.drain(budget=5)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 5)
     row = effect_row(engine, "f24-liar")
     assert (row.status, row.attempts) == ("needs_review", 1)
     assert row.first_claimed_at is not None
@@ -1026,10 +1003,7 @@ def test_a_handler_is_held_to_a_monotonic_deadline_after_the_host_slept(
     reg.register("seen", lambda e: left.append(e.deadline - time.monotonic()) or {"ok": 1})
     d = _sleeping_after_the_claim(slept, 5.0, [])(engine, reg, concurrency=1, lease=30,
                                                   policy=NO_WAIT)
-    try:
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 10)
     assert effect_row(engine, "slept-first").status == "delivered"
     assert 18.0 < left[0] <= 19.0
 
@@ -1095,10 +1069,7 @@ def test_expired_lease_past_retry_until_is_dead_lettered_not_rescued(engine: Eng
 def test_unknown_kind_is_retried_not_dropped(engine: Engine) -> None:
     [eid] = add_effects(engine, ["mystery"], kind="no.such.kind")
     d = Dispatcher(engine, Registry(), concurrency=1, policy=NO_WAIT)
-    try:
-        d.drain(budget=5)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 5)
     row = effect_row(engine, "mystery")
     assert (row.status, row.attempts) == ("pending", 1)
     [a] = attempts_of(engine, eid)

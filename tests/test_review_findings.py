@@ -22,6 +22,7 @@ from outbox.sql import effects as effects_sql
 from tests.dispatch_support import (
     add_effects,
     attempts_of,
+    drain_then_shut_down,
     effect_row,
     wait_until,
 )
@@ -100,10 +101,7 @@ def test_nul_in_a_receivers_answer_does_not_drop_the_batch(engine: Engine) -> No
     [bad] = add_effects(engine, ["nul-answer"], kind="psp.charge")
     good = add_effects(engine, ["mate-1", "mate-2"], kind="noop")
     d = Dispatcher(engine, _registry("psp.charge", handler), concurrency=4)
-    try:
-        d.drain(budget=5)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 5)
     for eid in (bad, *good):
         assert [a.outcome for a in attempts_of(engine, eid)] == ["delivered"]
     assert effect_row(engine, "nul-answer").status == "delivered"
@@ -123,10 +121,7 @@ def test_odd_characters_in_an_error_message_do_not_drop_the_batch(engine: Engine
     [bad] = add_effects(engine, ["nul-error"], kind="boom")
     [mate] = add_effects(engine, ["mate"], kind="noop")
     d = Dispatcher(engine, _registry("boom", boom), concurrency=4)
-    try:
-        d.drain(budget=5)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 5)
     assert [a.outcome for a in attempts_of(engine, bad)] == ["retry"]
     assert effect_row(engine, "nul-error").status == "pending"
     assert [a.outcome for a in attempts_of(engine, mate)] == ["delivered"]
@@ -145,10 +140,7 @@ def test_huge_retry_after_does_not_drop_the_batch(engine: Engine) -> None:
     bad = add_effects(engine, ["inf-1", "huge-2"], kind="psp.charge")
     [mate] = add_effects(engine, ["mate"], kind="noop")
     d = Dispatcher(engine, _registry("psp.charge", handler), concurrency=4)
-    try:
-        d.drain(budget=5)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 5)
     for eid in bad:
         assert [a.outcome for a in attempts_of(engine, eid)] == ["retry"]
     assert [a.outcome for a in attempts_of(engine, mate)] == ["delivered"]

@@ -42,7 +42,7 @@ from outbox.errors import AmbiguousOutcome, InvalidInput, PermanentFailure, Tran
 from outbox.masking import MASKED, MaskingFilter
 from outbox.retention import RetentionPlan, ScheduledRetention
 from outbox.sql import retention as retention_lock
-from tests.dispatch_support import attempts_of, effect_row, wait_until
+from tests.dispatch_support import attempts_of, drain_then_shut_down, effect_row, wait_until
 from tests.otel_helpers import span_exporter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,10 +289,7 @@ def test_a_reply_trickling_past_the_effects_deadline_is_delivered_truncated(
         eid = enqueue(conn, "psp.charge", {"amount": 5}, key="slow-body-lease").id
     d = Dispatcher(engine, registry_of("psp.charge", handler), lease=1.5,
                    policy=RetryPolicy(wait=wait_fixed(0)))
-    try:
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 10)
     [attempt] = attempts_of(engine, eid)
     assert attempt.outcome == "delivered", attempt
     row = effect_row(engine, "slow-body-lease")
@@ -444,10 +441,7 @@ def test_credentials_in_the_receiver_url_reach_no_error_attempt_span_or_cli_outp
                           max_attempts=1).id
         custom_id = enqueue(conn, "custom.hook", {}, key="creds-custom", max_attempts=1).id
     d = Dispatcher(engine, reg, lease=10)
-    try:
-        d.drain(budget=10)
-    finally:
-        d.shutdown(0)
+    drain_then_shut_down(d, 10)
     # The credentials still work: they travel in the Authorization header.
     expected = "Basic " + base64.b64encode(f"user:{SECRET}".encode()).decode()
     assert [s.authorization for s in receiver.seen] == [expected]
