@@ -24,7 +24,7 @@ these forms; COMMIT.
                     what `guard.run` sends
 
 Each form runs in --blocks interleaved blocks of --requests transactions (after a
-warm-up of as many per form, at least 300); per form, the median over blocks of the
+warm-up of half as many per form, at least 300); per form, the median over blocks of the
 server backend's CPU time per transaction, read from /proc/<backend pid>/schedstat
 (nanoseconds, that one process only, so the server must run on this host: the WAL
 writer, checkpointer and background writer's share of the extra rows is not in it),

@@ -639,14 +639,21 @@ def _past_key_retention(row: Claimed, registration: Registration, now: datetime,
     # timedelta and make_interval round a half-µs lease differently).
     ours = row.first_claimed_at is not None \
         and abs(row.first_claimed_at - claimed_at) <= _ONE_MICROSECOND
-    if row.attempts == 1 and ours and horizon - claimed_at > lease:
+    if row.attempts == 1 and ours:
+        if horizon - claimed_at <= lease:
+            return KeyRetentionPassed(
+                f"not sent: {KEY_RETENTION_SHARE:.0%} of the key retention of kind "
+                f"{row.kind!r} ({registration.key_retention:g} s) is shorter than the "
+                f"lease ({lease.total_seconds():g} s), so a first attempt may not start "
+                "in time; nothing was sent. Give the kind a longer key_retention (or "
+                "the dispatcher a shorter lease), then `outbox retry` this effect by id")
         return FirstAttemptTooLate(
             f"not sent: the first attempt would reach the receiver "
             f"{(now - first).total_seconds():.0f} s after its claim (this host was "
             "suspended, or the process stalled, longer than the lease), past "
             f"{KEY_RETENTION_SHARE:.0%} of its key retention "
-            f"({registration.key_retention:g} s); nothing was sent: due again, as a "
-            "first contact")
+            f"({registration.key_retention:g} s); nothing was sent by this worker: "
+            "due again as a first contact, unless another worker took it meanwhile")
     return KeyRetentionPassed(
         f"not sent: attempt {row.attempts} would reach the receiver "
         f"{(now - first).total_seconds():.0f} s after the effect's first attempt, "

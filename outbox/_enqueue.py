@@ -254,8 +254,14 @@ def _ring_after_commit(target: Any, queues: set[str]) -> None:
     if _located:
         pending.where = _where(target)
     if first:
-        register(_rang)
-        with _pending_lock:  # marked once registered: a failed one is tried again
+        try:
+            register(_rang)
+        except BaseException:
+            with _pending_lock:  # nothing will ring it: the next enqueue tries again
+                if _pending.get(owner) is pending:
+                    del _pending[owner]
+            raise
+        with _pending_lock:
             _listening.add(owner)
 
 
@@ -263,9 +269,11 @@ def _rang(owner: Any, *_: Any) -> None:
     """An owner's listener (its `after_commit` or `commit` event, which passes the
     owner first): ring what its transaction enqueued, if anything. A Session fires
     `after_commit` for a released savepoint too: that is not the COMMIT, so the ring
-    waits for it (rung then, a worker would find nothing yet)."""
-    nested = getattr(owner, "in_nested_transaction", None)
-    if nested is not None and nested():
+    waits for it (rung then, a worker would find nothing yet). A Connection's `commit`
+    is always the COMMIT, even with a savepoint still open (then nested, yet final)."""
+    from sqlalchemy.orm import Session
+
+    if isinstance(owner, Session) and owner.in_nested_transaction():
         return
     with _pending_lock:
         pending = _pending.pop(owner, None)

@@ -199,6 +199,12 @@ class FirstAttemptTooLate(KeyRetentionPassed):
     handler raising it is a KeyRetentionPassed like any other (parked)."""
 
 
+#: The error names an effect parked past its key retention is recorded under (its
+#: `last_error` starts with one and a colon): `outbox retry` by id clears its first
+#: claim, and the console warns before it does.
+KEY_RETENTION_REFUSALS = (KeyRetentionPassed.__name__, FirstAttemptTooLate.__name__)
+
+
 class TransientFailure(DeliveryError):
     """Worth retrying with backoff (5xx, 409, refused connection, ...)."""
 

@@ -911,6 +911,7 @@ def test_f24_a_key_retention_too_short_for_any_first_attempt_parks_it(
     d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT)
     drain_then_shut_down(d, 5)
     _parked_unsent(engine, psp, "f24-short", attempts=1)
+    assert "is shorter than the lease (30 s)" in effect_row(engine, "f24-short").last_error
 
 
 def test_f24_a_handler_cannot_hand_its_attempt_back(engine: Engine) -> None:
@@ -932,6 +933,11 @@ def test_f24_a_handler_cannot_hand_its_attempt_back(engine: Engine) -> None:
     row = effect_row(engine, "f24-liar")
     assert (row.status, row.attempts) == ("needs_review", 1)
     assert row.first_claimed_at is not None
+    # Parked past its key retention all the same: `outbox retry` by id (the operator's
+    # override, after checking with the receiver) sends it as a first contact.
+    with engine.begin() as conn:
+        assert requeue(conn, [row.id]) == [row.id]
+    assert effect_row(engine, "f24-liar").first_claimed_at is None
 
 
 def test_the_claim_clock_counts_what_monotonic_counts_when_awake(slept: list[float]

@@ -203,6 +203,12 @@ def test_a_long_lived_handle_keeps_one_doorbell_listener(kind: str, engine: Engi
             tx.commit()
             assert rang[50:] == ["saved"]
             del rang[50:]
+            # The COMMIT with a savepoint still open (committed with it): rung, once.
+            enqueue(handle, "contract", {"n": -3}, key=f"{kind}-open", queue="open")
+            handle.begin_nested()
+            tx.commit()
+            assert rang[50:] == ["open"]
+            del rang[50:]
             enqueue(handle, "contract", {"n": -1}, key=f"{kind}-gone", queue="other")
             tx.rollback()
             handle.execute(text("SELECT 1"))
@@ -213,7 +219,7 @@ def test_a_long_lived_handle_keeps_one_doorbell_listener(kind: str, engine: Engi
             assert rang[51:] == [] and our_listeners(handle) == 1
     finally:
         remove_doorbell(rang.append)
-    assert len(effect_keys(engine)) == 101
+    assert len(effect_keys(engine)) == 102
 
 
 @pytest.mark.parametrize("kind", [k for k in ASYNC if k != "psycopg_async"])

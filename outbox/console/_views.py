@@ -21,7 +21,7 @@ from starlette.responses import HTMLResponse
 from outbox._schema import EffectStatus
 from outbox.console import _security as sec
 from outbox.console._html import DASH, Markup, ago, badge, concat, duration, pretty_json
-from outbox.errors import KeyRetentionPassed
+from outbox.errors import KEY_RETENTION_REFUSALS
 from outbox.sql import console as cq
 from outbox.sql.console import EffectFilter
 
@@ -552,7 +552,7 @@ def confirm_effect_action(console: Console, request: Request, row: Any, action: 
             row.status.replace("_", " "), row.max_attempts)
         warn = Markup("")
         if row.status == "needs_review" and (row.last_error or "").startswith(
-                f"{KeyRetentionPassed.__name__}:"):
+                tuple(f"{name}:" for name in KEY_RETENTION_REFUSALS)):
             warn = Markup("<p class='error'>It was not sent: its receiver may have"
                           " forgotten the effect key, and an earlier attempt may have been"
                           " applied. Retry only if you checked with the receiver that it"

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import Connection, Row, text
 
 from outbox._driver import Query, Result, nothing, sql
-from outbox.errors import KeyRetentionPassed
+from outbox.errors import KEY_RETENTION_REFUSALS
 
 _NOW = "coalesce(CAST(:now AS timestamptz), now())"
 
@@ -256,7 +256,8 @@ _REQUEUE = text(
        SET status = 'pending', available_at = {_NOW}, attempts = 0,
            finished_at = NULL, last_error = NULL,
            first_claimed_at = CASE WHEN status = 'needs_review'
-                                        AND last_error LIKE :key_retention_passed
+                                        AND last_error LIKE ANY(
+                                            CAST(:key_retention_passed AS text[]))
                                    THEN NULL ELSE first_claimed_at END
      WHERE status IN ('failed', 'needs_review', 'cancelled')
        AND (id = ANY(CAST(:ids AS bigint[])) OR CAST(:all_failed AS boolean))
@@ -274,7 +275,7 @@ def requeue(conn: Connection, ids: Sequence[int], all_failed: bool = False,
     effect parked because that retention had passed (`KeyRetentionPassed`): retried by
     id, after the check the runbook asks for, its next attempt is a first contact."""
     params = {"ids": list(ids), "all_failed": all_failed, "now": now,
-              "key_retention_passed": f"{KeyRetentionPassed.__name__}:%"}
+              "key_retention_passed": [f"{name}:%" for name in KEY_RETENTION_REFUSALS]}
     return [r.id for r in conn.execute(_REQUEUE, params)]
 
 
