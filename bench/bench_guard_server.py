@@ -49,10 +49,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psycopg
-from sqlalchemy import create_engine, make_url, text
-from sqlalchemy.pool import NullPool
+from benchlib import scratch_database
+from sqlalchemy import make_url, text
 
 from outbox import (
     Effect,
@@ -222,23 +223,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=5)
     args = parser.parse_args(argv)
     base = make_url(database_url())
-    url = base.set(database=f"{base.database}_guard_server")
-    admin = create_engine(base, poolclass=NullPool, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{url.database}"'))
-        conn.execute(text(f'CREATE DATABASE "{url.database}"'))
-    plain = url.render_as_string(hide_password=False)
-    try:
+    with scratch_database(base, f"{base.database}_guard_server") as url:
+        plain = url.render_as_string(hide_password=False)
         upgrade(plain)
         log(f"{len(FORMS)} forms x {args.blocks} blocks x {args.requests} transactions")
         report = {"bench": "guard_server", "requests_per_block": args.requests,
                   "blocks": args.blocks, **measure(
                       plain.replace("postgresql+psycopg://", "postgresql://"),
                       args.requests, args.blocks)}
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
-        admin.dispose()
     print(json.dumps(report, separators=(",", ":")), flush=True)
     return 0
 

@@ -22,6 +22,7 @@ per script and database, and new ÷ old. Needs pgbench (Debian postgresql-contri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -33,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import pgbench  # noqa: E402
+from benchlib import pgbench, scratch_database  # noqa: E402
 
 _ROW = ("jsonb_build_array(jsonb_build_object('k', md5(random()::text), 'kind', 'bench.noop',"
         " 'p', jsonb_build_object('order_id', currval('bench_orders_id_seq'),"
@@ -82,16 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     from outbox._migrate import alembic_config
 
     base = make_url(database_url())
-    admin = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT",
-                          poolclass=NullPool)
     tag = uuid.uuid4().hex[:8]
-    urls = {"old": base.set(database=f"bench_rules_old_{tag}"),
-            "new": base.set(database=f"bench_rules_new_{tag}")}
     results: dict[tuple[str, str], list[float]] = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        urls = {side: stack.enter_context(scratch_database(base, f"bench_rules_{side}_{tag}"))
+                for side in ("old", "new")}
         for side, url in urls.items():
-            with admin.connect() as conn:
-                conn.execute(text(f'CREATE DATABASE "{url.database}"'))
             rendered = url.render_as_string(hide_password=False)
             command.upgrade(alembic_config(rendered), args.before if side == "old" else "head")
             scratch = create_engine(url, poolclass=NullPool)
@@ -110,11 +107,6 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps({"bench": "row_rules", "round": rnd, "script": name,
                                       "schema": args.before if side == "old" else "head",
                                       "latency_ms": latency}), flush=True)
-    finally:
-        with admin.connect() as conn:
-            for url in urls.values():
-                conn.execute(text(f'DROP DATABASE IF EXISTS "{url.database}" WITH (FORCE)'))
-        admin.dispose()
     summary: dict[str, Any] = {"bench": "row_rules", "summary": True, "before": args.before,
                                "rounds": args.rounds, "seconds": args.seconds}
     for name in scripts():

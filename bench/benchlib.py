@@ -6,7 +6,8 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -45,3 +46,25 @@ def pgbench(url: Any, script: str, *, seconds: float, clients: int = 1,
     if done.returncode != 0:
         raise SystemExit(f"pgbench failed: {done.stdout}\n{done.stderr}")
     return done.stdout
+
+
+@contextmanager
+def scratch_database(base: Any, name: str) -> Iterator[Any]:
+    """A new, empty database `name` on `base`'s server (a SQLAlchemy URL; one left over
+    by an interrupted run is dropped first), its URL for the block, dropped after it."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    url = base.set(database=name)
+    admin = create_engine(base, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        try:
+            yield url
+        finally:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()

@@ -295,7 +295,7 @@ class Dispatcher:
             crashpoint("after_claim")
         self.stats.claimed += len(rows)
         now = _clock.now()
-        deadline = _clock.to_monotonic(self.executor.deadline(now))
+        deadline = self.executor.handler_deadline(now)
         items = [_InFlight(row, now, deadline) for row in rows]
         with self._lock:  # one acquisition per claim, before any delivery can end
             for item in items:

@@ -274,6 +274,11 @@ class Executor:
         then, and its lease is never extended beyond it (plus a margin)."""
         return started + self.lease * 0.8
 
+    def handler_deadline(self, started: float) -> float:
+        """`deadline(started)` on time.monotonic(), the clock a handler is held to
+        (EffectContext.deadline, asyncio's timeouts) and its lease extended by."""
+        return _clock.to_monotonic(self.deadline(started))
+
     def execute(self, row: Claimed, started: float) -> Outcome:
         """Run the handler for one claimed row (on a pool thread; no DB connection).
 
@@ -361,7 +366,7 @@ class Executor:
         injected = self.clock()
         if injected is not None:
             return injected
-        claimed = row.lease_expires_at - self._lease
+        claimed = _claimed_at(row, self._lease)
         if started is None:
             return claimed
         return claimed + timedelta(seconds=max(0.0, _clock.now() - started))
@@ -398,7 +403,7 @@ class Executor:
             effect = EffectContext(
                 id=row.id, key=row.effect_key, kind=row.kind, payload=row.payload,
                 attempt=row.attempts, max_attempts=row.max_attempts,
-                deadline=_clock.to_monotonic(self.deadline(started)),
+                deadline=self.handler_deadline(started),
                 created_at=row.created_at,
                 ordering_key=row.ordering_key)
             t0 = time.perf_counter()
@@ -600,6 +605,12 @@ class Executor:
                 future.set_exception(RuntimeError("the dispatcher was shut down"))
 
 
+def _claimed_at(row: Claimed, lease: timedelta) -> datetime:
+    """When `row` was claimed, by the database's clock: its lease's end (set by the
+    claim) less the lease."""
+    return row.lease_expires_at - lease
+
+
 def _first_contact(row: Claimed) -> datetime:
     """The earliest the receiver can have seen the row's key: its first claim (every
     claim returns it, since migration 0011; its creation for a `Claimed` made by hand)."""
@@ -634,7 +645,7 @@ def _past_key_retention(row: Claimed, registration: Registration, now: datetime,
     horizon = registration.retry_until(first, None)
     if horizon is None or now < horizon:
         return None
-    claimed_at = row.lease_expires_at - lease
+    claimed_at = _claimed_at(row, lease)
     # This claim set the first contact (its own now(); a µs apart at most, where
     # timedelta and make_interval round a half-µs lease differently).
     ours = row.first_claimed_at is not None \

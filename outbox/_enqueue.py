@@ -196,7 +196,8 @@ def _after_commit_hook(target: Any) -> tuple[Any, Callable[[Callable[..., None]]
             target = target.sync_connection
         if isinstance(target, Session):
             session = target
-            return session, lambda ring: event.listen(session, "after_commit", ring)
+            return session, lambda ring: event.listen(session, "after_commit",
+                                                      _at_the_commit(ring))
         if isinstance(target, Connection):
             conn = target
             return conn, lambda ring: event.listen(conn, "commit", ring)
@@ -265,16 +266,20 @@ def _ring_after_commit(target: Any, queues: set[str]) -> None:
             _listening.add(owner)
 
 
+def _at_the_commit(ring: Callable[..., None]) -> Callable[..., None]:
+    """A Session's `after_commit` listener calling `ring` at the COMMIT only: a Session
+    fires it for a released savepoint too, which is not the COMMIT (rung then, a worker
+    would find nothing yet). A Connection's `commit` event is always the COMMIT, even
+    with a savepoint still open, so it needs no such filter."""
+    def listener(session: Any, *_: Any) -> None:
+        if not session.in_nested_transaction():
+            ring(session)
+    return listener
+
+
 def _rang(owner: Any, *_: Any) -> None:
     """An owner's listener (its `after_commit` or `commit` event, which passes the
-    owner first): ring what its transaction enqueued, if anything. A Session fires
-    `after_commit` for a released savepoint too: that is not the COMMIT, so the ring
-    waits for it (rung then, a worker would find nothing yet). A Connection's `commit`
-    is always the COMMIT, even with a savepoint still open (then nested, yet final)."""
-    from sqlalchemy.orm import Session
-
-    if isinstance(owner, Session) and owner.in_nested_transaction():
-        return
+    owner first): ring what its transaction enqueued, if anything."""
     with _pending_lock:
         pending = _pending.pop(owner, None)
     if pending is not None:

@@ -777,18 +777,10 @@ def test_f24_a_lost_lease_redelivered_past_the_key_retention_is_not_sent(
     t0 = db_now(engine)
     assert len(claim(engine, owner="died", lease=5, now=t0)) == 1
     clock = [t0 + timedelta(hours=2)]
-    d = Dispatcher(engine, _charges_kept_an_hour(psp), concurrency=1, policy=NO_WAIT,
+    d = Dispatcher(engine, _retained_registry(psp, 3600), concurrency=1, policy=NO_WAIT,
                    clock=lambda: clock[0])
     drain_then_shut_down(d, 10)
     _parked_unsent(engine, psp, "f24-rescued", attempts=2)
-
-
-def _charges_kept_an_hour(psp: Receiver) -> Registry:
-    """psp.charge alone, its receiver keeping keys 1 h."""
-    registry = Registry()
-    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
-                      key_retention=3600)
-    return registry
 
 
 def _parked_unsent(engine: Engine, psp: Receiver, key: str, attempts: int) -> None:
@@ -851,7 +843,7 @@ def test_f24_a_host_that_slept_after_the_first_claim_sends_it_as_a_first_contact
     seen: list[float] = []
     first: list[Any] = []
     d = _sleeping_after_the_claim(slept, 2 * 3600, seen, claims=1, meanwhile=first.append)(
-        engine, _charges_kept_an_hour(psp), concurrency=1, policy=NO_WAIT)
+        engine, _retained_registry(psp, 3600), concurrency=1, policy=NO_WAIT)
     drain_then_shut_down(d, 10)
     row = effect_row(engine, "f24-slept")
     assert (row.status, row.attempts) == ("delivered", 1)
@@ -888,7 +880,7 @@ def test_f24_a_host_that_slept_while_another_worker_took_the_effect_gives_nothin
 
     d = _sleeping_after_the_claim(slept, 2 * 3600, [], claims=1,
                                   meanwhile=taken_meanwhile)(
-        engine, _charges_kept_an_hour(psp), concurrency=1, policy=NO_WAIT)
+        engine, _retained_registry(psp, 3600), concurrency=1, policy=NO_WAIT)
     drain_then_shut_down(d, 3)
     row = effect_row(engine, "f24-taken")
     assert (row.status, row.attempts, row.lease_owner) == ("in_flight", 2, "other")
@@ -904,11 +896,8 @@ def test_f24_a_key_retention_too_short_for_any_first_attempt_parks_it(
     (1 µs, against a lease of 30 s): the first attempt is past the horizon every
     time. It is parked, counted, as any refusal; handed back as not made, it would be
     claimed and handed back again at once, forever (reviewed)."""
-    registry = Registry()
-    registry.register("psp.charge", HttpHandler(f"{psp.url}/charges", timeout=0.5),
-                      key_retention=1e-6)
     add_effects(engine, ["f24-short"], kind="psp.charge")
-    d = Dispatcher(engine, registry, concurrency=1, policy=NO_WAIT)
+    d = Dispatcher(engine, _retained_registry(psp, 1e-6), concurrency=1, policy=NO_WAIT)
     drain_then_shut_down(d, 5)
     _parked_unsent(engine, psp, "f24-short", attempts=1)
     assert "is shorter than the lease (30 s)" in effect_row(engine, "f24-short").last_error
